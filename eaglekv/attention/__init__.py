@@ -1,0 +1,3 @@
+from eaglekv.attention.backend import AttentionBackend, TorchAttentionBackend
+
+__all__ = ["AttentionBackend", "TorchAttentionBackend"]

@@ -1,0 +1,95 @@
+"""Attention behind a small interface: a backend prepares metadata once per forward from the
+batch (kv indices, masks), then each layer only calls `forward`.
+
+The PyTorch reference backend gathers K/V through req_to_token into padded `(B, S)` tensors and
+runs SDPA with a causal (or custom, e.g. tree) mask. The gather is guarded: every slot id read
+from req_to_token is checked against the pool's size_limit once per forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from eaglekv.core import ForwardBatch
+from eaglekv.kernels.store_cache import check_indices
+from eaglekv.memory import KVPool, ReqToTokenPool
+
+
+class AttentionBackend:
+    """Interface: `init_forward_metadata(batch)` once, then `forward(...)` per layer."""
+
+    def init_forward_metadata(self, batch: ForwardBatch):
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta,
+                scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass
+class TorchAttnMetadata:
+    batch: ForwardBatch
+    kv_idx: torch.Tensor              # (B, Smax) int64 slots, padded with slot 0
+    tok_b: torch.Tensor               # (T,) request of each flat token
+    tok_t: torch.Tensor               # (T,) index of the token within its request's extend
+    t_max: int
+    mask: torch.Tensor | None         # (B, 1, Tmax, Smax) bool, None if nothing is masked
+    single: bool                      # B == 1: no padding, flat == padded
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool):
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> TorchAttnMetadata:
+        dev = batch.input_ids.device
+        seq_lens = batch.seq_lens_cpu
+        ext = batch.extend_lens_cpu
+        B, s_max, t_max = batch.batch_size, max(seq_lens), max(ext)
+        rows = self.req_to_token.req_to_token[batch.req_pool_indices]   # (B, W) int32
+        kv_idx = rows[:, :s_max].to(torch.int64)                         # (B, Smax)
+        seq = torch.tensor(seq_lens, device=dev)
+        key_pos = torch.arange(s_max, device=dev)
+        valid_key = key_pos[None, :] < seq[:, None]                      # (B, Smax)
+        kv_idx = torch.where(valid_key, kv_idx, torch.zeros_like(kv_idx))
+        check_indices(kv_idx, self.kv_pool.size_limit, "attention kv gather")
+        tok_b = torch.repeat_interleave(torch.arange(B, device=dev), batch.extend_lens)
+        starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
+        tok_t = torch.arange(batch.num_tokens, device=dev) - starts[tok_b]
+        # query t of request b sits at position prefix_b + t
+        q_pos = batch.prefix_lens[:, None] + torch.arange(t_max, device=dev)[None, :]  # (B, Tmax)
+        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & valid_key[:, None, :]   # (B,Tmax,Smax)
+        if batch.extend_mask is not None:
+            # keys inside the extend window follow the custom mask; the prefix stays visible
+            for b in range(B):  # per request: the extend window starts at a different column
+                p, n = batch.prefix_lens_cpu[b], ext[b]
+                mask[b, :n, p:p + n] = batch.extend_mask[b, :n, :n]
+        trivial = B == 1 and t_max == 1 and batch.extend_mask is None
+        return TorchAttnMetadata(batch=batch, kv_idx=kv_idx, tok_b=tok_b, tok_t=tok_t, t_max=t_max,
+                                 mask=None if trivial else mask[:, None], single=B == 1)
+
+    def forward(self, q, k, v, layer, meta: TorchAttnMetadata, scale):
+        """q: (T, H, D), k/v: (T, Hkv, D) for the new tokens -> (T, H, D)."""
+        self.kv_pool.set_kv_buffer(layer, meta.batch.out_cache_loc, k, v)
+        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer)
+        B, S = meta.kv_idx.shape
+        flat = meta.kv_idx.view(-1)
+        kc = k_buf.index_select(0, flat).view(B, S, *k_buf.shape[1:]).transpose(1, 2)  # (B,Hkv,S,D)
+        vc = v_buf.index_select(0, flat).view(B, S, *v_buf.shape[1:]).transpose(1, 2)
+        if meta.single:
+            qp = q.transpose(0, 1).unsqueeze(0)            # (1, H, T, D)
+        else:
+            T, H, D = q.shape
+            qp = q.new_zeros(B, meta.t_max, H, D)
+            qp[meta.tok_b, meta.tok_t] = q
+            qp = qp.transpose(1, 2)                         # (B, H, Tmax, D)
+        out = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=meta.mask, scale=scale,
+                                             enable_gqa=kc.shape[1] != qp.shape[1])
+        out = out.transpose(1, 2)                           # (B, Tmax, H, D)
+        if meta.single:
+            return out[0]
+        return out[meta.tok_b, meta.tok_t]                  # (T, H, D)

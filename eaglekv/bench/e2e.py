@@ -1,0 +1,102 @@
+"""`eaglekv bench`: HF transformers `generate` vs eaglekv on the same model, side by side.
+
+Both run greedy, batch 1, the same prompt and the same number of new tokens (EOS ignored),
+alternating run by run so that machine noise hits both alike; the median of the repeats is
+reported. Output is JSON (stdout and, with --out, a file).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from eaglekv.config import EngineConfig, SamplingParams
+from eaglekv.engine import Engine
+
+DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
+
+
+def load_hf(model: str, dtype: torch.dtype, device: str):
+    from transformers import AutoModelForCausalLM
+    from eaglekv.model.loader import resolve_model_path
+    path = resolve_model_path(model)
+    if path.suffix == ".gguf":
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    return hf.to(device).eval()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_hf(hf, ids: list[int], n: int, device: str) -> float:
+    x = torch.tensor([ids], device=device)
+    with torch.inference_mode():
+        _sync(device)
+        t = time.perf_counter()
+        out = hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        _sync(device)
+        dt = time.perf_counter() - t
+    assert out.shape[1] - len(ids) == n
+    return n / dt
+
+
+def time_eaglekv(engine: Engine, ids: list[int], n: int, device: str) -> float:
+    _sync(device)
+    t = time.perf_counter()
+    out = engine.generate([ids], SamplingParams(max_new_tokens=n, ignore_eos=True))[0]
+    _sync(device)
+    dt = time.perf_counter() - t
+    assert len(out.token_ids) == n
+    return n / dt
+
+
+def run_bench(model: str = "default", dtype: str = "float32", device: str = "cpu",
+              new_tokens: int = 128, repeats: int = 3, prompt: str = DEFAULT_PROMPT,
+              with_hf: bool = True) -> dict:
+    cfg = EngineConfig(model=model, dtype=dtype, device=device, max_running_requests=1,
+                       max_total_tokens=4096)
+    engine = Engine(cfg)
+    ids = engine.encode(prompt)
+    hf = load_hf(model, cfg.torch_dtype, device) if with_hf else None
+    time_eaglekv(engine, ids, 8, device)  # warm-up
+    if hf is not None:
+        time_hf(hf, ids, 8, device)
+    rows: dict[str, list[float]] = {"eaglekv": [], "hf_transformers": []}
+    for _ in range(repeats):
+        if hf is not None:
+            rows["hf_transformers"].append(time_hf(hf, ids, new_tokens, device))
+        rows["eaglekv"].append(time_eaglekv(engine, ids, new_tokens, device))
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {platform.processor() or ''} "
+                   f"{torch.get_num_threads()} threads".strip(),
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "torch": torch.__version__, "model": model, "dtype": dtype, "batch": 1,
+        "prompt_tokens": len(ids), "new_tokens": new_tokens, "repeats": repeats,
+        "tokens_per_s": {k: statistics.median(v) for k, v in rows.items() if v},
+        "runs": {k: v for k, v in rows.items() if v},
+    }
+    if hf is not None:
+        tps = result["tokens_per_s"]
+        result["speedup_vs_hf"] = tps["eaglekv"] / tps["hf_transformers"]
+    return result
+
+
+def main(args) -> None:
+    result = run_bench(args.model, args.dtype, args.device, args.new_tokens, args.repeats,
+                       with_hf=not args.no_hf)
+    result["command"] = args.command_line
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")

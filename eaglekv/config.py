@@ -1,0 +1,91 @@
+"""Frozen configs, validated once in `__post_init__` with messages that name value and rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from eaglekv.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0          # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 = off
+    stop: tuple[str, ...] = ()        # stop strings; the text ends before the first one
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k!r} must be an int >= 0 (0 = off)")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError(f"stop={self.stop!r} must hold non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"            # "default" | HF directory | .gguf file
+    dtype: str = "float32"
+    device: str = "cpu"
+    page_size: int = 1
+    max_running_requests: int = 8
+    max_context_len: int | None = None   # default: the model's max_position_embeddings
+    max_total_tokens: int | None = None  # KV pool slots; default: from mem_fraction
+    mem_fraction: float = 0.2            # of free memory for the KV pool when not given
+    seed: int = 0                        # seeds requests that give no seed of their own
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} unknown; choose one of {sorted(set(DTYPES))}")
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError as e:
+            raise ConfigError(f"device={self.device!r} is not a torch device: {e}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device={self.device!r} but CUDA is not available")
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ConfigError(f"page_size={self.page_size!r} must be an int >= 1")
+        if self.max_running_requests < 1:
+            raise ConfigError(f"max_running_requests={self.max_running_requests} must be >= 1")
+        if self.max_context_len is not None and self.max_context_len < 2:
+            raise ConfigError(f"max_context_len={self.max_context_len} must be >= 2")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ConfigError(f"max_total_tokens={self.max_total_tokens} must be >= "
+                              f"page_size={self.page_size}")
+        if not 0 < self.mem_fraction <= 0.95:
+            raise ConfigError(f"mem_fraction={self.mem_fraction} must be in (0, 0.95]")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def from_dict(cls, options: dict) -> "EngineConfig":
+        """Build from a mapping; an unknown option is an error, never dropped."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine options {unknown}; known: {sorted(known)}")
+        return cls(**options)

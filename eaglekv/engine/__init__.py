@@ -1,0 +1,3 @@
+from eaglekv.engine.engine import Engine
+
+__all__ = ["Engine"]

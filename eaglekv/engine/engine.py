@@ -1,0 +1,220 @@
+"""The engine: continuous batching of requests over one model on the paged KV cache.
+
+Every step extends each running request by its pending tokens (a whole prompt for a new
+request, the last sampled token otherwise) in one forward, so prefill and decode are the
+same operation: "extend by n on a cached prefix".
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from eaglekv.attention import TorchAttentionBackend
+from eaglekv.config import EngineConfig, SamplingParams
+from eaglekv.core import ForwardBatch, Output, StreamDelta
+from eaglekv.engine.memory_plan import plan_kv_size
+from eaglekv.engine.request import Req
+from eaglekv.engine.sampler import sample_next
+from eaglekv.errors import ConfigError, KVIndexError, OutOfKVMemoryError, RequestError
+from eaglekv.memory import KVPool, ReqToTokenPool, SlotAllocator
+from eaglekv.model import LlamaForCausalLM
+from eaglekv.model.loader import load_checkpoint
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **options):
+        if config is None:
+            config = EngineConfig.from_dict(options)
+        elif options:
+            raise ConfigError(f"pass either an EngineConfig or options, not both ({sorted(options)})")
+        self.config = cfg = config
+        self.device = torch.device(cfg.device)
+        # 1. model and weights
+        ckpt = load_checkpoint(cfg.model)
+        self.model_config = mc = ckpt.config
+        self.tokenizer = ckpt.tokenizer
+        self.max_context_len = cfg.max_context_len or mc.max_position_embeddings
+        self.model = LlamaForCausalLM(mc, ckpt.state_dict, cfg.torch_dtype, self.device,
+                                      max_positions=self.max_context_len)
+        del ckpt
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+        # 2. memory sizing, KV cache, request table
+        size = plan_kv_size(cfg, mc, self.max_context_len)
+        self.req_to_token = ReqToTokenPool(cfg.max_running_requests, self.max_context_len,
+                                           device=self.device)
+        self.allocator = SlotAllocator(size, cfg.page_size)
+        self.kv_pool = KVPool(size, cfg.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                              cfg.torch_dtype, self.device)
+        # 3. attention backend
+        self.backend = TorchAttentionBackend(self.kv_pool, self.req_to_token)
+        # 4. scheduler state
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self._rids = itertools.count()
+        self._seeds = torch.Generator().manual_seed(cfg.seed)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("a text prompt needs a tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Req:
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise RequestError("empty prompt: at least one token is needed")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} outside the vocabulary [0, {vocab})")
+        need = len(ids) + params.max_new_tokens
+        if need > self.max_context_len:
+            raise RequestError(f"prompt of {len(ids)} tokens + max_new_tokens="
+                               f"{params.max_new_tokens} = {need} exceeds max_context_len="
+                               f"{self.max_context_len}")
+        pages = self.allocator.pages_needed(0, need - 1)
+        if pages > self.allocator.num_pages:
+            raise RequestError(f"request needs {need - 1} KV slots ({pages} pages) but the KV "
+                               f"pool holds {self.allocator.size} slots; raise max_total_tokens")
+        seed = params.seed if params.seed is not None else int(
+            torch.randint(0, 2**62, (1,), generator=self._seeds))
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        req = Req(rid=next(self._rids), prompt_ids=ids, params=params, generator=gen,
+                  eos_ids=self.eos_ids)
+        self.waiting.append(req)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling ----------------------------------------------------------------------------
+    def _admit(self) -> None:
+        ps = self.config.page_size
+        while self.waiting and self.req_to_token.free_rows:
+            req = self.waiting[0]
+            need = self.allocator.pages_needed(0, len(req.pending_ids)) * ps
+            headroom = ps * len(self.running)  # one page for each running request's next token
+            if self.running and self.allocator.available_slots() < need + headroom:
+                return
+            self.waiting.popleft()
+            req.row = self.req_to_token.alloc()
+            self.running.append(req)
+
+    def _release(self, req: Req) -> None:
+        if req.kv_len:
+            self.allocator.free(self.req_to_token.req_to_token[req.row, :req.kv_len])
+        if req.row:
+            self.req_to_token.free(req.row)
+        req.row, req.kv_len, req.last_slot = 0, 0, -1
+
+    def _preempt(self, victim: Req) -> None:
+        """Free a request's KV and queue it first; it is recomputed when it comes back."""
+        self._release(victim)
+        self.running.remove(victim)
+        self.waiting.appendleft(victim)
+
+    def _alloc_extend(self, req: Req, n: int) -> torch.Tensor:
+        while True:
+            try:
+                return self.allocator.alloc(n, req.kv_len, req.last_slot)
+            except OutOfKVMemoryError:
+                victims = [r for r in self.running if r is not req]
+                if not victims:
+                    raise
+                self._preempt(victims[-1])
+
+    # ---- one step ------------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Admit, extend every running request in one forward, sample; returns those requests."""
+        self._admit()
+        batch_reqs: list[Req] = []
+        slots: list[torch.Tensor] = []
+        for req in list(self.running):
+            if req not in self.running:  # preempted to make room for an earlier one
+                continue
+            n = len(req.pending_ids)
+            s = self._alloc_extend(req, n)
+            self.req_to_token.req_to_token[req.row, req.kv_len:req.kv_len + n] = s.to(
+                self.device, torch.int32)
+            batch_reqs.append(req)
+            slots.append(s)
+        batch_reqs = [r for r in batch_reqs if r in self.running]
+        slots = [s for r, s in zip(batch_reqs, slots)]
+        if not batch_reqs:
+            return []
+        batch = ForwardBatch.build([r.pending_ids for r in batch_reqs],
+                                   [r.kv_len for r in batch_reqs], [r.row for r in batch_reqs],
+                                   torch.cat(slots), self.device)
+        for r, s in zip(batch_reqs, slots):
+            r.kv_len += s.numel()
+            r.last_slot = int(s[-1])
+        try:
+            out = self.model.forward(batch, self.backend, logits_indices=batch.last_token_indices)
+        except KVIndexError:
+            for r in batch_reqs:  # only this batch fails; the engine keeps serving
+                r.finish_reason = "error"
+                self._finish(r)
+            raise
+        tokens = sample_next(out.logits, [r.params for r in batch_reqs],
+                             [r.generator for r in batch_reqs])
+        for r, t in zip(batch_reqs, tokens):
+            r.append_tokens([t], self.tokenizer)
+            if r.finished:
+                self._finish(r)
+        return batch_reqs
+
+    def _finish(self, req: Req) -> None:
+        self._release(req)
+        if req in self.running:
+            self.running.remove(req)
+
+    # ---- public API ----------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Output]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise RequestError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while any(not r.finished for r in reqs):
+            self.step()
+        return [r.to_output() for r in reqs]
+
+    def apply_chat_template(self, conversation: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat(self, conversations, params=None) -> list[Output]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate([self.apply_chat_template(c) for c in conversations], params)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        req = self.add_request(prompt, params)
+        while not req.finished:
+            self.step()
+            delta = req.stream_delta()
+            if delta is not None:
+                yield delta
+
+    def check_memory(self) -> None:
+        """Raise unless the books balance; with no request left, everything must be free."""
+        self.allocator.check_integrity()
+        self.req_to_token.check_integrity()
+        if not self.has_unfinished() and not self.allocator.is_full():
+            raise AssertionError(f"KV leak: {self.allocator.num_used()} slots still in use "
+                                 f"with no request left")

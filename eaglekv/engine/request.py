@@ -1,0 +1,91 @@
+"""Req: one request's tokens, KV bookkeeping, stop rules and incremental text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from eaglekv.config import SamplingParams
+from eaglekv.core import Output, StreamDelta
+
+
+@dataclass
+class Req:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    eos_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    row: int = 0                       # ReqToTokenPool row, 0 = not placed
+    kv_len: int = 0                    # tokens whose K/V are in the cache
+    last_slot: int = -1                # slot of position kv_len - 1
+    finish_reason: str | None = None
+    text: str = ""
+    _sent_text: int = 0
+    _sent_tokens: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def pending_ids(self) -> list[int]:
+        """Tokens to extend by in the next forward (the prompt, or the last sampled token)."""
+        return self.all_ids[self.kv_len:]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append_tokens(self, tokens: list[int], tokenizer) -> int:
+        """Append tokens one by one until a stop rule fires; returns how many were kept."""
+        p = self.params
+        kept = 0
+        for t in tokens:
+            self.output_ids.append(t)
+            kept += 1
+            if (not p.ignore_eos and t in self.eos_ids) or t in p.stop_token_ids:
+                self.finish_reason = "stop"
+            elif len(self.output_ids) >= p.max_new_tokens:
+                self.finish_reason = "length"
+            if p.stop and self._hit_stop_string(tokenizer):
+                self.finish_reason = "stop"
+            if self.finished:
+                break
+        if not p.stop:
+            self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        return kept
+
+    def _hit_stop_string(self, tokenizer) -> bool:
+        old_len = len(self.text)
+        self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        longest = max(len(s) for s in self.params.stop)
+        start = max(0, old_len - longest + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            return True
+        return False
+
+    def stream_delta(self) -> StreamDelta | None:
+        """New text and tokens since the last call; text that may still change is held back
+        (an unfinished UTF-8 sequence, or a possible start of a stop string)."""
+        end = len(self.text)
+        if not self.finished:
+            while end > self._sent_text and self.text[end - 1] == "\ufffd":
+                end -= 1
+            if self.params.stop:
+                end = max(self._sent_text, end - (max(len(s) for s in self.params.stop) - 1))
+        toks = self.output_ids[self._sent_tokens:]
+        delta = self.text[self._sent_text:end]
+        if not delta and not toks and not self.finished:
+            return None
+        self._sent_text, self._sent_tokens = end, len(self.output_ids)
+        return StreamDelta(text=delta, token_ids=toks, finish_reason=self.finish_reason)
+
+    def to_output(self) -> Output:
+        return Output(text=self.text, token_ids=list(self.output_ids),
+                      finish_reason=self.finish_reason or "length",
+                      prompt_token_ids=list(self.prompt_ids))

@@ -1,0 +1,42 @@
+"""Next-token choice from logits: greedy, or temperature / top-k / top-p sampling.
+
+`target_probs` is the distribution sampling draws from, kept separate so that speculative
+acceptance can use exactly the same p.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eaglekv.config import SamplingParams
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k and top-p."""
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_next(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator]) -> list[int]:
+    """(B, V) logits -> B tokens; one host sync for the batch."""
+    if all(p.greedy for p in params):
+        return logits.argmax(-1).tolist()
+    out = []
+    for row, p, g in zip(logits, params, generators):
+        if p.greedy:
+            out.append(row.argmax(-1))
+        else:
+            out.append(torch.multinomial(target_probs(row, p), 1, generator=g)[0])
+    return torch.stack(out).tolist()

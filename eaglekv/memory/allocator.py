@@ -1,0 +1,133 @@
+"""Slot allocator over a paged KV pool.
+
+Slots `[0, page_size)` are the padding page and are never handed out; real slots are
+`[page_size, size + page_size)`. Allocation is by page (`page = slot // page_size`): a request
+owns whole pages and fills them in order, so with page_size > 1 a new token first goes to the
+free tail of the request's last page. A page goes back to the free list when none of its slots
+is in use any more. Freeing a slot twice, or one never handed out, raises `AllocatorError`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eaglekv.errors import AllocatorError, ConfigError, OutOfKVMemoryError
+
+
+class SlotAllocator:
+    def __init__(self, size: int, page_size: int = 1):
+        if page_size < 1:
+            raise ConfigError(f"page_size={page_size} must be >= 1")
+        if size < page_size or size % page_size:
+            raise ConfigError(f"KV pool size={size} must be a positive multiple of "
+                              f"page_size={page_size}")
+        self.size, self.page_size = size, page_size
+        self.num_pages = size // page_size
+        # pages 1..num_pages are real; page 0 is the padding page
+        self._free_pages: list[int] = list(range(self.num_pages, 0, -1))  # pop() gives page 1 first
+        self._used = torch.zeros(size + page_size, dtype=torch.bool)       # per slot
+        self._page_count = torch.zeros(self.num_pages + 1, dtype=torch.int64)  # used slots per page
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def available_slots(self) -> int:
+        """Slots in wholly free pages (what a new request can count on)."""
+        return len(self._free_pages) * self.page_size
+
+    def num_used(self) -> int:
+        return int(self._used.sum())
+
+    def pages_needed(self, seq_len: int, n: int) -> int:
+        """New pages a request of `seq_len` committed slots needs to grow by `n` tokens."""
+        ps = self.page_size
+        return -(-(seq_len + n) // ps) - (-(-seq_len // ps))
+
+    # ---- alloc / free --------------------------------------------------------------------------
+    def alloc(self, n: int, seq_len: int = 0, last_slot: int = -1) -> torch.Tensor:
+        """Slots for positions `seq_len .. seq_len + n - 1` of one request, as int64 `[n]`.
+
+        `last_slot` is the slot of position `seq_len - 1` (needed when page_size > 1 and the
+        request's last page is partly filled: the new positions continue inside that page).
+        """
+        if n < 0:
+            raise AllocatorError(f"alloc of n={n} slots")
+        ps = self.page_size
+        need_pages = self.pages_needed(seq_len, n)
+        if need_pages > len(self._free_pages):
+            raise OutOfKVMemoryError(need_pages * ps, self.available_slots(), self.size)
+        in_last = 0
+        if ps > 1 and seq_len % ps:
+            if last_slot < ps or last_slot >= self.size + ps or not self._used[last_slot]:
+                raise AllocatorError(f"last_slot={last_slot} is not a slot in use "
+                                     f"(seq_len={seq_len}, page_size={ps})")
+            in_last = min(n, ps - seq_len % ps)
+        slots = torch.empty(n, dtype=torch.int64)
+        if in_last:
+            slots[:in_last] = torch.arange(last_slot + 1, last_slot + 1 + in_last)
+        rest = n - in_last
+        if rest:
+            pages = [self._free_pages.pop() for _ in range(need_pages)]
+            # (need_pages, ps) -> flat, first `rest` of them
+            page_slots = (torch.tensor(pages, dtype=torch.int64)[:, None] * ps
+                          + torch.arange(ps)[None, :]).reshape(-1)
+            slots[in_last:] = page_slots[:rest]
+        if self._used[slots].any():
+            bad = slots[self._used[slots]][0].item()
+            raise AllocatorError(f"slot {bad} handed out while in use")
+        self._used[slots] = True
+        self._page_count.index_add_(0, slots // ps, torch.ones_like(slots))
+        return slots
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return slots; raises (freeing nothing) on a foreign or already-free slot."""
+        slots = slots.reshape(-1).to(torch.int64).cpu()
+        if slots.numel() == 0:
+            return
+        ps = self.page_size
+        lo, hi = ps, self.size + ps
+        out = (slots < lo) | (slots >= hi)
+        if out.any():
+            raise AllocatorError(f"free of slot {slots[out][0].item()}, which this allocator "
+                                 f"never hands out (valid [{lo}, {hi}))")
+        uniq = torch.unique(slots)
+        if uniq.numel() != slots.numel():
+            raise AllocatorError(f"free of a slot listed twice in one call ({slots.tolist()[:8]}...)")
+        not_used = ~self._used[slots]
+        if not_used.any():
+            raise AllocatorError(f"double free: slot {slots[not_used][0].item()} is not in use")
+        self._used[slots] = False
+        pages = slots // ps
+        self._page_count.index_add_(0, pages, -torch.ones_like(slots))
+        emptied = torch.unique(pages)
+        emptied = emptied[self._page_count[emptied] == 0]
+        self._free_pages.extend(emptied.tolist())
+
+    # ---- books ---------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Free pages + held pages == all pages, and the per-page counts match the slots."""
+        ps = self.page_size
+        free = self._free_pages
+        if len(set(free)) != len(free):
+            raise AllocatorError(f"free page list holds duplicates ({len(free)} entries, "
+                                 f"{len(set(free))} distinct)")
+        if any(p < 1 or p > self.num_pages for p in free):
+            raise AllocatorError("free page list holds a page outside [1, num_pages]")
+        if self._used[:ps].any():
+            raise AllocatorError("a padding-page slot is marked in use")
+        counts = self._used.view(-1, ps).sum(1)
+        if not torch.equal(counts, self._page_count):
+            raise AllocatorError("per-page use counts disagree with the slot bitmap")
+        free_t = torch.tensor(free, dtype=torch.int64)
+        if (counts[free_t] != 0).any():
+            raise AllocatorError("a page on the free list has slots in use")
+        held = int((counts[1:] > 0).sum())
+        if held + len(free) != self.num_pages:
+            raise AllocatorError(f"{len(free)} free pages + {held} held pages != "
+                                 f"{self.num_pages} total (leaked {self.num_pages - held - len(free)})")
+
+    def is_full(self) -> bool:
+        """True when every page is free again (the state after all requests finished)."""
+        return len(self._free_pages) == self.num_pages and not self._used.any()

@@ -1,0 +1,4 @@
+from eaglekv.model.config import ModelConfig
+from eaglekv.model.llama import LlamaForCausalLM, ModelOutput
+
+__all__ = ["LlamaForCausalLM", "ModelConfig", "ModelOutput"]
