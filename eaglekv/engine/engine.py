@@ -61,6 +61,7 @@ class Engine:
         self.running: list[Req] = []
         self._rids = itertools.count()
         self._seeds = torch.Generator().manual_seed(cfg.seed)
+        self.num_preemptions = 0
 
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -76,6 +77,8 @@ class Engine:
         vocab = self.model_config.vocab_size
         if not ids:
             raise RequestError("empty prompt: at least one token is needed")
+        if params.stop and self.tokenizer is None:
+            raise RequestError(f"stop strings {params.stop} need a tokenizer; this model has none")
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} outside the vocabulary [0, {vocab})")
@@ -92,7 +95,7 @@ class Engine:
             torch.randint(0, 2**62, (1,), generator=self._seeds))
         gen = torch.Generator(device=self.device).manual_seed(seed)
         req = Req(rid=next(self._rids), prompt_ids=ids, params=params, generator=gen,
-                  eos_ids=self.eos_ids)
+                  eos_ids=self.eos_ids, tokenizer=self.tokenizer)
         self.waiting.append(req)
         return req
 
@@ -112,9 +115,13 @@ class Engine:
             req.row = self.req_to_token.alloc()
             self.running.append(req)
 
-    def _release(self, req: Req) -> None:
+    def _release(self, req: Req, after_error: bool = False) -> None:
         if req.kv_len:
-            self.allocator.free(self.req_to_token.req_to_token[req.row, :req.kv_len])
+            slots = self.req_to_token.req_to_token[req.row, :req.kv_len].to(torch.int64)
+            if after_error:  # a corrupted entry was never handed out: free only real slots
+                lo, hi = self.config.page_size, self.allocator.size + self.config.page_size
+                slots = slots[(slots >= lo) & (slots < hi)]
+            self.allocator.free(slots)
         if req.row:
             self.req_to_token.free(req.row)
         req.row, req.kv_len, req.last_slot = 0, 0, -1
@@ -124,6 +131,7 @@ class Engine:
         self._release(victim)
         self.running.remove(victim)
         self.waiting.appendleft(victim)
+        self.num_preemptions += 1
 
     def _alloc_extend(self, req: Req, n: int) -> torch.Tensor:
         while True:
@@ -139,44 +147,51 @@ class Engine:
     def step(self) -> list[Req]:
         """Admit, extend every running request in one forward, sample; returns those requests."""
         self._admit()
-        batch_reqs: list[Req] = []
-        slots: list[torch.Tensor] = []
+        planned: list[tuple[Req, list[int], int, torch.Tensor]] = []  # req, ids, prefix, slots
         for req in list(self.running):
             if req not in self.running:  # preempted to make room for an earlier one
                 continue
-            n = len(req.pending_ids)
-            s = self._alloc_extend(req, n)
-            self.req_to_token.req_to_token[req.row, req.kv_len:req.kv_len + n] = s.to(
+            ids, prefix = req.pending_ids, req.kv_len
+            s = self._alloc_extend(req, len(ids))
+            self.req_to_token.req_to_token[req.row, prefix:prefix + len(ids)] = s.to(
                 self.device, torch.int32)
-            batch_reqs.append(req)
-            slots.append(s)
-        batch_reqs = [r for r in batch_reqs if r in self.running]
-        slots = [s for r, s in zip(batch_reqs, slots)]
-        if not batch_reqs:
+            req.kv_len, req.last_slot = prefix + len(ids), int(s[-1])  # owned from here on
+            planned.append((req, ids, prefix, s))
+        planned = [p for p in planned if p[0] in self.running]
+        if not planned:
             return []
-        batch = ForwardBatch.build([r.pending_ids for r in batch_reqs],
-                                   [r.kv_len for r in batch_reqs], [r.row for r in batch_reqs],
-                                   torch.cat(slots), self.device)
-        for r, s in zip(batch_reqs, slots):
-            r.kv_len += s.numel()
-            r.last_slot = int(s[-1])
+        batch_reqs = [p[0] for p in planned]
+        batch = ForwardBatch.build([p[1] for p in planned], [p[2] for p in planned],
+                                   [r.row for r in batch_reqs], torch.cat([p[3] for p in planned]),
+                                   self.device)
         try:
             out = self.model.forward(batch, self.backend, logits_indices=batch.last_token_indices)
         except KVIndexError:
             for r in batch_reqs:  # only this batch fails; the engine keeps serving
                 r.finish_reason = "error"
-                self._finish(r)
+                self._finish(r, after_error=True)
+            self._reclaim_orphans()
             raise
         tokens = sample_next(out.logits, [r.params for r in batch_reqs],
                              [r.generator for r in batch_reqs])
         for r, t in zip(batch_reqs, tokens):
-            r.append_tokens([t], self.tokenizer)
+            r.append_tokens([t])
             if r.finished:
                 self._finish(r)
         return batch_reqs
 
-    def _finish(self, req: Req) -> None:
-        self._release(req)
+    def _reclaim_orphans(self) -> None:
+        """After a corrupted batch: free every slot in use that no live request references
+        (a slot whose req_to_token entry was overwritten would otherwise leak)."""
+        used = self.allocator.used_slots()
+        live = [self.req_to_token.req_to_token[r.row, :r.kv_len].to(torch.int64).cpu()
+                for r in self.running]
+        referenced = torch.cat(live) if live else used[:0]
+        orphans = used[~torch.isin(used, referenced)]
+        self.allocator.free(orphans)
+
+    def _finish(self, req: Req, after_error: bool = False) -> None:
+        self._release(req, after_error)
         if req in self.running:
             self.running.remove(req)
 

@@ -23,8 +23,10 @@ class Req:
     last_slot: int = -1                # slot of position kv_len - 1
     finish_reason: str | None = None
     text: str = ""
+    tokenizer: object = None
     _sent_text: int = 0
     _sent_tokens: int = 0
+    _text_tokens: int = 0              # how many output tokens `text` reflects
 
     @property
     def all_ids(self) -> list[int]:
@@ -39,7 +41,15 @@ class Req:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append_tokens(self, tokens: list[int], tokenizer) -> int:
+    def refresh_text(self) -> str:
+        """Decode the output (lazily: plain generation decodes once, at the end)."""
+        if self.tokenizer is not None and self._text_tokens != len(self.output_ids) \
+                and not (self.params.stop and self.finished):
+            self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
+            self._text_tokens = len(self.output_ids)
+        return self.text
+
+    def append_tokens(self, tokens: list[int]) -> int:
         """Append tokens one by one until a stop rule fires; returns how many were kept."""
         p = self.params
         kept = 0
@@ -50,17 +60,16 @@ class Req:
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= p.max_new_tokens:
                 self.finish_reason = "length"
-            if p.stop and self._hit_stop_string(tokenizer):
+            if p.stop and self._hit_stop_string():
                 self.finish_reason = "stop"
             if self.finished:
                 break
-        if not p.stop:
-            self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
         return kept
 
-    def _hit_stop_string(self, tokenizer) -> bool:
+    def _hit_stop_string(self) -> bool:
         old_len = len(self.text)
-        self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        self._text_tokens = len(self.output_ids)
         longest = max(len(s) for s in self.params.stop)
         start = max(0, old_len - longest + 1)
         hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
@@ -72,6 +81,7 @@ class Req:
     def stream_delta(self) -> StreamDelta | None:
         """New text and tokens since the last call; text that may still change is held back
         (an unfinished UTF-8 sequence, or a possible start of a stop string)."""
+        self.refresh_text()
         end = len(self.text)
         if not self.finished:
             while end > self._sent_text and self.text[end - 1] == "\ufffd":
@@ -86,6 +96,6 @@ class Req:
         return StreamDelta(text=delta, token_ids=toks, finish_reason=self.finish_reason)
 
     def to_output(self) -> Output:
-        return Output(text=self.text, token_ids=list(self.output_ids),
+        return Output(text=self.refresh_text(), token_ids=list(self.output_ids),
                       finish_reason=self.finish_reason or "length",
                       prompt_token_ids=list(self.prompt_ids))

@@ -40,6 +40,10 @@ class SlotAllocator:
     def num_used(self) -> int:
         return int(self._used.sum())
 
+    def used_slots(self) -> torch.Tensor:
+        """Every slot currently handed out, int64 (sorted)."""
+        return self._used.nonzero().view(-1)
+
     def pages_needed(self, seq_len: int, n: int) -> int:
         """New pages a request of `seq_len` committed slots needs to grow by `n` tokens."""
         ps = self.page_size

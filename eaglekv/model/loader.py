@@ -107,8 +107,14 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return cfg, load_safetensors_dir(path)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def load_hf_tokenizer(path: Path):
+    """The directory's tokenizer, or None when it ships none (the engine then takes token ids)."""
     from transformers import AutoTokenizer
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return None
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (ValueError, OSError) as e:

@@ -1,0 +1,95 @@
+"""The `eaglekv` command: `generate` a completion, or `bench` against HF transformers."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+
+from eaglekv.config import EngineConfig, SamplingParams
+from eaglekv.errors import EaglekvError
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument("--model", default=d.model, help="'default' (SmolLM2-135M-Instruct), a HF "
+                   "directory or a .gguf file")
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--page-size", type=int, default=d.page_size)
+    p.add_argument("--max-total-tokens", type=int, default=4096,
+                   help="KV pool slots (default 4096 for the CLI)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eaglekv", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate a completion and print it with tokens/s")
+    g.add_argument("prompt")
+    _engine_args(g)
+    s = SamplingParams()
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=s.max_new_tokens)
+    g.add_argument("--temperature", type=float, default=s.temperature)
+    g.add_argument("--top-p", type=float, default=s.top_p)
+    g.add_argument("--top-k", type=int, default=s.top_k)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stream", action="store_true", help="print tokens as they come")
+    b = sub.add_parser("bench", help="eaglekv vs HF transformers greedy tokens/s, JSON out")
+    _engine_args(b)
+    b.add_argument("--new-tokens", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
+    b.add_argument("--out", default=None, help="also write the JSON here")
+    return parser
+
+
+def cmd_generate(args) -> None:
+    from eaglekv.engine import Engine
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                 page_size=args.page_size, max_total_tokens=args.max_total_tokens,
+                                 max_running_requests=1))
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    prompt = (engine.apply_chat_template([{"role": "user", "content": args.prompt}])
+              if args.chat else args.prompt)
+    print(f"[eaglekv] model {engine.config.model} loaded in {load_s:.1f}s", file=sys.stderr)
+    t0 = time.perf_counter()
+    if args.stream:
+        n, reason = 0, None
+        for delta in engine.stream(prompt, params):
+            print(delta.text, end="", flush=True)
+            n += len(delta.token_ids)
+            reason = delta.finish_reason
+        print()
+    else:
+        out = engine.generate([prompt], params)[0]
+        print(out.text)
+        n, reason = len(out.token_ids), out.finish_reason
+    dt = time.perf_counter() - t0
+    spec = "accept length n/a (plain decoding: no draft model configured)"
+    print(f"[eaglekv] {n} tokens in {dt:.2f}s = {n / dt:.1f} tokens/s, finish_reason={reason}, "
+          f"{spec}", file=sys.stderr)
+
+
+def cmd_bench(args) -> None:
+    from eaglekv.bench.e2e import main as bench_main
+    args.command_line = "eaglekv " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    bench_main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        {"generate": cmd_generate, "bench": cmd_bench}[args.cmd](args)
+    except EaglekvError as e:
+        print(f"eaglekv: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
