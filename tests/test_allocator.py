@@ -1,8 +1,4 @@
 """SlotAllocator and ReqToTokenPool: padding never handed out, books always balanced.
-
-Tests marked `LIBRARY BUG` in their docstring fail on purpose against the current code; they
-describe the behaviour the allocator promises (DESIGN.md "Memory") and are left failing for the
-lead engineer to fix the library.
 """
 
 from __future__ import annotations
@@ -193,7 +189,7 @@ def test_partial_last_page_counts_toward_capacity(ps):
     a.check_integrity()
 
 
-# ---- free errors ----------------------------------------------------------------------------------
+# ---- free errors ---------------------------------------------------------------------------------
 def test_double_free_raises_and_changes_nothing(alloc):
     """Freeing a slot that is already free raises AllocatorError naming it; state unchanged."""
     s = alloc.alloc(3)
@@ -255,7 +251,7 @@ def test_free_empty_is_noop(alloc):
     assert_same_state(alloc, snap)
 
 
-# ---- last_slot contract (ps > 1) ------------------------------------------------------------------
+# ---- last_slot contract (ps > 1) -----------------------------------------------------------------
 @pytest.mark.parametrize("ps", [4, 16])
 @pytest.mark.parametrize("last", ["padding", "free_slot", "out_of_range"])
 def test_bad_last_slot_raises(ps, last):
@@ -271,21 +267,21 @@ def test_bad_last_slot_raises(ps, last):
 
 @pytest.mark.parametrize("ps", [4, 16])
 def test_rejected_alloc_leaks_no_page(ps):
-    """LIBRARY BUG (allocator.py:72-79): an alloc rejected for 'slot handed out while in use'
-    must change nothing, but the pages it popped at line 72 are never put back (leak)."""
+    """Regression: an alloc rejected because in-page slots are in use changes nothing
+    (it used to pop free pages before the check and leak them)."""
     a = SlotAllocator(4 * ps, ps)
     s = a.alloc(3)                       # positions 0..2 of page 1
     snap = snapshot(a)
     # wrong seq_len: claims only position 0 is committed, so in-page slots 1..2 are in use
     with pytest.raises(AllocatorError, match="in use"):
         a.alloc(ps + 1, 1, int(s[0]))
-    assert_same_state(a, snap)           # fails: check_integrity reports "leaked 1"
+    assert_same_state(a, snap)
 
 
 @pytest.mark.parametrize("ps", [4, 16])
 def test_last_slot_inconsistent_with_seq_len_is_rejected(ps):
-    """LIBRARY BUG (allocator.py:62-66): last_slot % ps must equal (seq_len - 1) % ps; when it
-    does not, alloc continues past the page end into a page still on the free list."""
+    """Regression: last_slot % ps must equal (seq_len - 1) % ps; otherwise alloc would run past
+    the page end into a page still on the free list."""
     a = SlotAllocator(4 * ps, ps)
     s = a.alloc(ps)                      # page 1 full, last slot at offset ps - 1
     snap = snapshot(a)
@@ -295,10 +291,10 @@ def test_last_slot_inconsistent_with_seq_len_is_rejected(ps):
     assert_same_state(a, snap)
 
 
-# ---- random sequences -----------------------------------------------------------------------------
+# ---- random sequences ----------------------------------------------------------------------------
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_ops_keep_books(ps, seed):
-    """400 seeded alloc/grow/free-tail/free ops: integrity, no sharing, in-order pages, full at end."""
+    """400 seeded alloc/grow/free-tail/free ops: books, no sharing, in-order pages, full at end."""
     rng = random.Random(seed * 100 + ps)
     a = SlotAllocator(NUM_PAGES * ps, ps)
     m = Model(a)

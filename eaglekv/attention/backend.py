@@ -38,6 +38,7 @@ class TorchAttnMetadata:
     t_max: int
     mask: torch.Tensor | None         # (B, 1, Tmax, Smax) bool, None if nothing is masked
     single: bool                      # B == 1: no padding, flat == padded
+    run_start: int | None = None      # B == 1 and slots consecutive: K/V are a plain slice
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -69,17 +70,28 @@ class TorchAttentionBackend(AttentionBackend):
                 p, n = batch.prefix_lens_cpu[b], ext[b]
                 mask[b, :n, p:p + n] = batch.extend_mask[b, :n, :n]
         trivial = B == 1 and t_max == 1 and batch.extend_mask is None
+        run_start = None
+        if B == 1:  # a lone request usually owns consecutive slots: read them without a gather
+            first = int(kv_idx[0, 0])
+            if torch.equal(kv_idx[0], torch.arange(first, first + s_max, device=dev)):
+                run_start = first
         return TorchAttnMetadata(batch=batch, kv_idx=kv_idx, tok_b=tok_b, tok_t=tok_t, t_max=t_max,
-                                 mask=None if trivial else mask[:, None], single=B == 1)
+                                 mask=None if trivial else mask[:, None], single=B == 1,
+                                 run_start=run_start)
 
     def forward(self, q, k, v, layer, meta: TorchAttnMetadata, scale):
         """q: (T, H, D), k/v: (T, Hkv, D) for the new tokens -> (T, H, D)."""
         self.kv_pool.set_kv_buffer(layer, meta.batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer)
         B, S = meta.kv_idx.shape
-        flat = meta.kv_idx.view(-1)
-        kc = k_buf.index_select(0, flat).view(B, S, *k_buf.shape[1:]).transpose(1, 2)  # (B,Hkv,S,D)
-        vc = v_buf.index_select(0, flat).view(B, S, *v_buf.shape[1:]).transpose(1, 2)
+        if meta.run_start is not None:  # slots run_start .. run_start + S - 1 (checked above)
+            kc = k_buf[meta.run_start:meta.run_start + S].transpose(0, 1).unsqueeze(0)
+            vc = v_buf[meta.run_start:meta.run_start + S].transpose(0, 1).unsqueeze(0)
+        else:
+            flat = meta.kv_idx.view(-1)
+            kc = k_buf.index_select(0, flat).view(B, S, *k_buf.shape[1:]).transpose(1, 2)
+            vc = v_buf.index_select(0, flat).view(B, S, *v_buf.shape[1:]).transpose(1, 2)
+        # kc, vc: (B, Hkv, S, D)
         if meta.single:
             qp = q.transpose(0, 1).unsqueeze(0)            # (1, H, T, D)
         else:

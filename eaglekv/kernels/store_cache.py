@@ -7,6 +7,8 @@ A row is one token's K (or V) for all kv heads, `heads * head_dim` elements, vie
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from eaglekv.errors import KVIndexError
@@ -35,7 +37,8 @@ def check_indices(indices: torch.Tensor, limit: int, op: str, low: int = 0) -> N
 def _as_rows(x: torch.Tensor, n: int, name: str) -> torch.Tensor:
     if x.dim() < 1 or x.shape[0] != n:
         raise ValueError(f"store_cache: {name} has shape {tuple(x.shape)}, expected {n} rows")
-    return x.reshape(n, -1)  # copies only if the layout is not viewable: strides are honoured
+    row = math.prod(x.shape[1:])
+    return x.reshape(n, row)  # copies only if the layout is not viewable: strides are honoured
 
 
 def resolve_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -73,6 +76,8 @@ def store_cache_torch(k, v, k_cache, v_cache, indices, *, row_bytes: int = 0, nu
     """PyTorch reference and CPU path: validate all indices, then scatter."""
     k2, v2, kc2, vc2, limit, _ = resolve_args(k, v, k_cache, v_cache, indices, row_bytes,
                                               num_split, size_limit)
+    if indices.numel() == 0:
+        return
     check_indices(indices, limit, "store_cache")
     idx = indices.reshape(-1).to(torch.int64)
     kc2.index_copy_(0, idx, k2)

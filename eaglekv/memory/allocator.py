@@ -64,23 +64,25 @@ class SlotAllocator:
             raise OutOfKVMemoryError(need_pages * ps, self.available_slots(), self.size)
         in_last = 0
         if ps > 1 and seq_len % ps:
-            if last_slot < ps or last_slot >= self.size + ps or not self._used[last_slot]:
-                raise AllocatorError(f"last_slot={last_slot} is not a slot in use "
-                                     f"(seq_len={seq_len}, page_size={ps})")
+            if (last_slot < ps or last_slot >= self.size + ps or not self._used[last_slot]
+                    or last_slot % ps != (seq_len - 1) % ps):
+                raise AllocatorError(f"last_slot={last_slot} is not the in-use slot of position "
+                                     f"{seq_len - 1} (seq_len={seq_len}, page_size={ps})")
             in_last = min(n, ps - seq_len % ps)
+            tail = torch.arange(last_slot + 1, last_slot + 1 + in_last)
+            if self._used[tail].any():
+                raise AllocatorError(f"slot {int(tail[self._used[tail]][0])} after last_slot="
+                                     f"{last_slot} is already in use")
         slots = torch.empty(n, dtype=torch.int64)
         if in_last:
-            slots[:in_last] = torch.arange(last_slot + 1, last_slot + 1 + in_last)
+            slots[:in_last] = tail
         rest = n - in_last
-        if rest:
+        if rest:  # whole free pages: nothing in them is in use, so nothing can fail after this
             pages = [self._free_pages.pop() for _ in range(need_pages)]
             # (need_pages, ps) -> flat, first `rest` of them
             page_slots = (torch.tensor(pages, dtype=torch.int64)[:, None] * ps
                           + torch.arange(ps)[None, :]).reshape(-1)
             slots[in_last:] = page_slots[:rest]
-        if self._used[slots].any():
-            bad = slots[self._used[slots]][0].item()
-            raise AllocatorError(f"slot {bad} handed out while in use")
         self._used[slots] = True
         self._page_count.index_add_(0, slots // ps, torch.ones_like(slots))
         return slots

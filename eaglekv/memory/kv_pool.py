@@ -32,7 +32,12 @@ class KVPool:
     def bytes_per_slot(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:  # a negative index would wrap to another layer
+            raise KVIndexError("kv_pool layer", layer, self.num_layers, 1, 1)
+
     def set_kv_buffer(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._check_layer(layer)
         try:
             store_cache(k, v, self.k_buffer[layer], self.v_buffer[layer], loc,
                         size_limit=self.size_limit)
@@ -40,4 +45,5 @@ class KVPool:
             raise e.with_layer(layer) from None
 
     def get_kv_buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_layer(layer)
         return self.k_buffer[layer], self.v_buffer[layer]

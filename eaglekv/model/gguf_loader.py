@@ -7,6 +7,7 @@ layout; `unpermute` undoes it per head: `w.reshape(n_head, D/2, 2, in).transpose
 from __future__ import annotations
 
 import re
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -102,7 +103,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
     try:
         reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, IndexError, struct.error) as e:  # truncated or not GGUF
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
     arch = _field(reader, "general.architecture", "?")
     cfg = ModelConfig.from_hf(gguf_hf_config(reader, path))
