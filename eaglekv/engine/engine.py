@@ -8,6 +8,7 @@ same operation: "extend by n on a cached prefix".
 from __future__ import annotations
 
 import itertools
+from contextlib import nullcontext
 from collections import deque
 from collections.abc import Iterator, Sequence
 
@@ -19,6 +20,7 @@ from eaglekv.core import ForwardBatch, Output, StreamDelta
 from eaglekv.engine.memory_plan import plan_kv_size
 from eaglekv.engine.request import Req
 from eaglekv.engine.sampler import sample_next
+from eaglekv.kernels.guard import kv_guard
 from eaglekv.errors import ConfigError, KVIndexError, OutOfKVMemoryError, RequestError
 from eaglekv.memory import KVPool, ReqToTokenPool, SlotAllocator
 from eaglekv.model import LlamaForCausalLM
@@ -164,16 +166,21 @@ class Engine:
         batch = ForwardBatch.build([p[1] for p in planned], [p[2] for p in planned],
                                    [r.row for r in batch_reqs], torch.cat([p[3] for p in planned]),
                                    self.device)
+        guard = kv_guard(self.device) if self.device.type == "cuda" else None
         try:
-            out = self.model.forward(batch, self.backend, logits_indices=batch.last_token_indices)
+            with guard.step() if guard else nullcontext():
+                out = self.model.forward(batch, self.backend,
+                                         logits_indices=batch.last_token_indices)
+                tokens = sample_next(out.logits, [r.params for r in batch_reqs],
+                                     [r.generator for r in batch_reqs])  # the step's host sync
+            if guard:
+                guard.raise_if_error()  # device-side index errors, read after that sync
         except KVIndexError:
             for r in batch_reqs:  # only this batch fails; the engine keeps serving
                 r.finish_reason = "error"
                 self._finish(r, after_error=True)
             self._reclaim_orphans()
             raise
-        tokens = sample_next(out.logits, [r.params for r in batch_reqs],
-                             [r.generator for r in batch_reqs])
         for r, t in zip(batch_reqs, tokens):
             r.append_tokens([t])
             if r.finished:

@@ -8,6 +8,7 @@ A row is one token's K (or V) for all kv heads, `heads * head_dim` elements, vie
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -84,8 +85,25 @@ def store_cache_torch(k, v, k_cache, v_cache, indices, *, row_bytes: int = 0, nu
     vc2.index_copy_(0, idx, v2)
 
 
+def use_triton(x: torch.Tensor) -> bool:
+    """CUDA tensors take the Triton kernel; CPU tensors only when the tests ask for the Triton
+    interpreter (TRITON_INTERPRET=1 and EAGLEKV_TRITON_ON_CPU=1)."""
+    return x.is_cuda or (os.environ.get("EAGLEKV_TRITON_ON_CPU") == "1"
+                         and os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def store_cache(k, v, k_cache, v_cache, indices, *, row_bytes: int = 0, num_split: int = 0,
-                size_limit: int = 0) -> None:
-    """Scatter K/V rows into the caches; raises `KVIndexError` before writing on a bad slot."""
-    store_cache_torch(k, v, k_cache, v_cache, indices, row_bytes=row_bytes, num_split=num_split,
-                      size_limit=size_limit)
+                size_limit: int = 0, layer: int | None = None, checked: bool = True) -> None:
+    """Scatter K/V rows into the caches; a slot outside `[0, size_limit)` is never written.
+
+    CPU (PyTorch path): raises `KVIndexError` before writing anything. CUDA (Triton): the bad
+    rows are masked and the error is raised at the step's host sync (`kernels.guard`), or at
+    once outside an engine step. `checked=False` (unchecked kernel) exists for benchmarks only.
+    """
+    if not use_triton(k):
+        return store_cache_torch(k, v, k_cache, v_cache, indices, row_bytes=row_bytes,
+                                 num_split=num_split, size_limit=size_limit)
+    from eaglekv.kernels.store_cache_triton import store_cache_triton
+    k2, v2, kc2, vc2, limit, split = resolve_args(k, v, k_cache, v_cache, indices, row_bytes,
+                                                  num_split, size_limit)
+    store_cache_triton(k2, v2, kc2, vc2, indices, limit, split, check=checked, layer=layer)

@@ -40,7 +40,7 @@ class KVPool:
         self._check_layer(layer)
         try:
             store_cache(k, v, self.k_buffer[layer], self.v_buffer[layer], loc,
-                        size_limit=self.size_limit)
+                        size_limit=self.size_limit, layer=layer)
         except KVIndexError as e:
             raise e.with_layer(layer) from None
 

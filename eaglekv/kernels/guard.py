@@ -1,0 +1,84 @@
+"""Deferred device-side index errors.
+
+A guarded Triton kernel never writes through an out-of-range index; it masks the access and
+records the error in a small device buffer: `[bad count, first key]` where
+`key = call_id * 2**32 + token position` (atomic min, so the earliest call and position win).
+The host reads the buffer at the step's existing sync (`raise_if_error`), so the normal path
+costs no extra sync. Outside a step, a guarded call checks at once (one sync) and raises.
+`EAGLEKV_DEVICE_ASSERT=1` switches the kernels to a hard device assert for debugging.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from eaglekv.errors import KVIndexError
+
+NO_ERROR = 2**62
+
+
+def device_assert_enabled() -> bool:
+    return os.environ.get("EAGLEKV_DEVICE_ASSERT", "0") == "1"
+
+
+@dataclass
+class _Call:
+    op: str
+    limit: int
+    indices: torch.Tensor
+    layer: int | None
+
+
+class KVGuard:
+    """One per device: the error buffer and the calls of the current step."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.err = torch.tensor([0, NO_ERROR], dtype=torch.int64, device=device)
+        self.calls: list[_Call] = []
+        self.deferred = False
+
+    def register(self, op: str, limit: int, indices: torch.Tensor, layer: int | None) -> int:
+        self.calls.append(_Call(op, limit, indices, layer))
+        return len(self.calls) - 1
+
+    @contextmanager
+    def step(self):
+        """Defer checks to `raise_if_error()` for the duration of one engine step."""
+        prev, self.deferred = self.deferred, True
+        try:
+            yield self
+        finally:
+            self.deferred = prev
+
+    def raise_if_error(self) -> None:
+        """Read the buffer (call right after an existing host sync) and raise the first error."""
+        count, key = self.err.tolist()
+        calls, self.calls = self.calls, []
+        if count == 0:
+            return
+        self.err.copy_(torch.tensor([0, NO_ERROR], dtype=torch.int64))
+        call = calls[key >> 32]
+        pos = key & 0xFFFFFFFF
+        bad = int(call.indices.reshape(-1)[pos])
+        raise KVIndexError(call.op, bad, call.limit, count, call.indices.numel(), layer=call.layer)
+
+    def after_launch(self) -> None:
+        if not self.deferred:
+            self.raise_if_error()  # one sync: a standalone call raises right away
+
+
+_GUARDS: dict[torch.device, KVGuard] = {}
+
+
+def kv_guard(device: torch.device | str) -> KVGuard:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _GUARDS:
+        _GUARDS[device] = KVGuard(device)
+    return _GUARDS[device]

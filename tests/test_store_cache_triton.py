@@ -1,0 +1,107 @@
+"""Triton store_cache equals the PyTorch reference; out-of-range slots write nothing and
+raise KVIndexError. Runs on the GPU when there is one, else under TRITON_INTERPRET=1 (small
+shapes)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"   # before triton and the kernel module are imported
+triton = pytest.importorskip("triton")
+
+from eaglekv.errors import KVIndexError  # noqa: E402
+from eaglekv.kernels.guard import kv_guard  # noqa: E402
+from eaglekv.kernels.store_cache import store_cache, store_cache_torch  # noqa: E402
+
+DEV = "cuda" if ON_GPU else "cpu"
+pytestmark = pytest.mark.gpu if ON_GPU else []
+ROWS = [(3, 64), (8, 128), (1, 576), (5, 7), (2, 1024)] + ([(8, 4096 // 2)] if ON_GPU else [])
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _interpret_only_here(monkeypatch):
+    if not ON_GPU:
+        monkeypatch.setenv("EAGLEKV_TRITON_ON_CPU", "1")
+
+
+def caches(slots, heads, dim, dtype):
+    g = torch.Generator().manual_seed(0)
+    kc = torch.randn(slots, heads, dim, generator=g).to(dtype).to(DEV)
+    return kc, (kc + 1).clone()
+
+
+@pytest.mark.parametrize("heads,dim", ROWS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_matches_reference(heads, dim, dtype, idx_dtype, layout):
+    n, slots = 6, 40
+    big = torch.randn(n, heads, 2 * dim).to(dtype).to(DEV)
+    k = big[..., :dim] if layout == "strided" else big[..., :dim].contiguous()
+    v = big[..., dim:] if layout == "strided" else big[..., dim:].contiguous()
+    idx = torch.tensor([7, 1, 39, 20, 0, 38], dtype=idx_dtype, device=DEV)
+    kc, vc = caches(slots, heads, dim, dtype)
+    rk, rv = kc.clone().cpu(), vc.clone().cpu()
+    store_cache(k, v, kc, vc, idx)
+    store_cache_torch(k.cpu(), v.cpu(), rk, rv, idx.cpu())
+    assert torch.equal(kc.cpu(), rk) and torch.equal(vc.cpu(), rv)
+
+
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_explicit_splits(split):
+    kc, vc = caches(16, 4, 64, torch.float16)
+    k = torch.randn(3, 4, 64, dtype=torch.float16, device=DEV)
+    idx = torch.tensor([3, 9, 15], device=DEV)
+    rk, rv = kc.clone().cpu(), vc.clone().cpu()
+    store_cache(k, k * 2, kc, vc, idx, num_split=split)
+    store_cache_torch(k.cpu(), (k * 2).cpu(), rk, rv, idx.cpu())
+    assert torch.equal(kc.cpu(), rk) and torch.equal(vc.cpu(), rv)
+
+
+@pytest.mark.parametrize("bad,limit", [(-1, 32), (32, 32), (2**40, 32), (30, 30), (31, 30)])
+def test_out_of_range_writes_nothing_and_raises(bad, limit):
+    """Canary rows on both sides and every valid row stay bit-identical; the error names the
+    first bad index, the limit and the count."""
+    slots = 32
+    kc, vc = caches(slots, 2, 64, torch.float32)
+    before_k, before_v = kc.clone(), vc.clone()
+    idx = torch.tensor([5, bad, 6, bad], dtype=torch.int64, device=DEV)
+    k = torch.full((4, 2, 64), 9.0, device=DEV)
+    with pytest.raises(KVIndexError, match=rf"slot {bad} out of range \[0, {limit}\) in "
+                                           rf"store_cache \(2 of 4 indices bad\)"):
+        store_cache(k, k, kc, vc, idx, size_limit=limit)
+    changed = (kc != before_k).any(-1).any(-1).nonzero().view(-1).tolist()
+    assert changed == [5, 6]       # the good rows were written, nothing else
+    assert torch.equal(vc[7:], before_v[7:]) and torch.equal(vc[:5], before_v[:5])
+
+
+def test_deferred_error_names_layer_and_clears():
+    """Inside a guard step the error waits for raise_if_error(); the buffer is reset after."""
+    kc, vc = caches(16, 1, 32, torch.float32)
+    guard = kv_guard(DEV)
+    k = torch.ones(2, 1, 32, device=DEV)
+    with guard.step():
+        store_cache(k, k, kc, vc, torch.tensor([1, 2], device=DEV), layer=0)
+        store_cache(k, k, kc, vc, torch.tensor([3, 99], device=DEV), layer=4)
+        store_cache(k, k, kc, vc, torch.tensor([-5, 4], device=DEV), layer=5)
+    with pytest.raises(KVIndexError, match=r"slot 99 out of range \[0, 16\) in store_cache "
+                                           r"\(layer 4, 2 of 2 indices bad\)"):
+        guard.raise_if_error()
+    guard.raise_if_error()  # nothing left
+    assert torch.equal(kc[3], torch.ones(1, 32, device=DEV))
+
+
+def test_unchecked_variant_matches_when_in_range():
+    kc, vc = caches(16, 2, 64, torch.bfloat16)
+    rk, rv = kc.clone(), vc.clone()
+    k = torch.randn(4, 2, 64, device=DEV).to(torch.bfloat16)
+    idx = torch.tensor([0, 5, 10, 15], device=DEV, dtype=torch.int32)
+    store_cache(k, k, kc, vc, idx, checked=False)
+    store_cache(k, k, rk, rv, idx)
+    assert torch.equal(kc, rk) and torch.equal(vc, rv)
