@@ -105,3 +105,19 @@ def test_unchecked_variant_matches_when_in_range():
     store_cache(k, k, kc, vc, idx, checked=False)
     store_cache(k, k, rk, rv, idx)
     assert torch.equal(kc, rk) and torch.equal(vc, rv)
+
+
+def test_first_bad_index_across_token_blocks():
+    """Many tokens (several programs): the reported index is the earliest bad position's."""
+    slots, n = 64, 37
+    kc, vc = caches(slots, 1, 64, torch.float16)
+    before = kc.clone()
+    idx = torch.arange(n, device=DEV)
+    idx[33], idx[20], idx[35] = -7, 500, 64
+    k = torch.randn(n, 1, 64, device=DEV).to(torch.float16)
+    with pytest.raises(KVIndexError, match=r"slot 500 out of range \[0, 64\) in store_cache "
+                                           r"\(3 of 37 indices bad\)"):
+        store_cache(k, k, kc, vc, idx)
+    good = [i for i in range(n) if i not in (20, 33, 35)]
+    assert torch.equal(kc[good], k[good]) and torch.equal(kc[n:], before[n:])
+    assert torch.equal(kc[20], before[20]) and torch.equal(kc[33], before[33])
