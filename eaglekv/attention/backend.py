@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglekv.core import ForwardBatch
-from eaglekv.kernels.store_cache import check_indices
+from eaglekv.kernels.guard import guard_indices
 from eaglekv.memory import KVPool, ReqToTokenPool
 
 
@@ -57,7 +57,8 @@ class TorchAttentionBackend(AttentionBackend):
         key_pos = torch.arange(s_max, device=dev)
         valid_key = key_pos[None, :] < seq[:, None]                      # (B, Smax)
         kv_idx = torch.where(valid_key, kv_idx, torch.zeros_like(kv_idx))
-        check_indices(kv_idx, self.kv_pool.size_limit, "attention kv gather")
+        # guarded read: CPU raises now; CUDA records the error (no sync) and reads slot 0 instead
+        kv_idx = guard_indices(kv_idx, self.kv_pool.size_limit, "attention kv gather")
         tok_b = torch.repeat_interleave(torch.arange(B, device=dev), batch.extend_lens)
         starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
         tok_t = torch.arange(batch.num_tokens, device=dev) - starts[tok_b]
@@ -71,7 +72,7 @@ class TorchAttentionBackend(AttentionBackend):
                 mask[b, :n, p:p + n] = batch.extend_mask[b, :n, :n]
         trivial = B == 1 and t_max == 1 and batch.extend_mask is None
         run_start = None
-        if B == 1:  # a lone request usually owns consecutive slots: read them without a gather
+        if B == 1 and not kv_idx.is_cuda:  # consecutive slots: read a slice, no gather (CPU)
             first = int(kv_idx[0, 0])
             if torch.equal(kv_idx[0], torch.arange(first, first + s_max, device=dev)):
                 run_start = first

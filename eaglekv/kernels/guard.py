@@ -82,3 +82,25 @@ def kv_guard(device: torch.device | str) -> KVGuard:
     if device not in _GUARDS:
         _GUARDS[device] = KVGuard(device)
     return _GUARDS[device]
+
+
+def guard_indices(indices: torch.Tensor, limit: int, op: str, layer: int | None = None,
+                  low: int = 0) -> torch.Tensor:
+    """Indices safe to address with: on CPU, checked at once (raises `KVIndexError`); on CUDA,
+    bad entries are recorded in the device error buffer (no sync) and replaced by slot 0, the
+    padding page, so the gather or scatter that follows stays inside its buffer."""
+    from eaglekv.kernels.store_cache import check_indices
+    if not indices.is_cuda:
+        check_indices(indices, limit, op, low)
+        return indices
+    guard = kv_guard(indices.device)
+    call_id = guard.register(op, limit, indices, layer)
+    flat = indices.reshape(-1)
+    bad = (flat < low) | (flat >= limit)                                   # (n,)
+    pos = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64)
+    key = torch.where(bad, pos + (call_id << 32), torch.full_like(pos, NO_ERROR)).amin()
+    guard.err[0] += bad.sum()
+    torch.minimum(guard.err[1], key, out=guard.err[1:2].view(()))
+    safe = torch.where(bad, torch.zeros_like(flat), flat).view(indices.shape)
+    guard.after_launch()
+    return safe

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from eaglekv.errors import ConfigError, KVIndexError
-from eaglekv.kernels import store_cache
+from eaglekv.kernels import move_kv, store_cache
 
 
 class KVPool:
@@ -43,6 +43,10 @@ class KVPool:
                         size_limit=self.size_limit, layer=layer)
         except KVIndexError as e:
             raise e.with_layer(layer) from None
+
+    def move_kv(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Every layer: K/V of slot src[i] -> slot dst[i] (guarded against size_limit)."""
+        move_kv(self.k_buffer, self.v_buffer, dst, src, self.size_limit)
 
     def get_kv_buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_layer(layer)
