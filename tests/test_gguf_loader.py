@@ -7,14 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as QT
-from gguf.quants import quantize
 
-from eaglekv.errors import ModelLoadError
+gguf = pytest.importorskip("gguf")  # not on the GPU machine
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+from gguf.quants import quantize  # noqa: E402
+
+from eaglekv.errors import ModelLoadError  # noqa: E402
 from eaglekv.model.config import ModelConfig
 from eaglekv.model.gguf_loader import dequantize, hf_name, load_gguf, unpermute
 from eaglekv.model.llama import check_state_dict, expected_tensors
