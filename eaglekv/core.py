@@ -61,6 +61,49 @@ class ForwardBatch:
 
 
 @dataclass
+class DraftTree:
+    """The verify tree of every request in a batch (N nodes each, same N for all).
+
+    Node 0 is the root: the last verified token, not yet in the KV cache. Nodes 1..N-1 are
+    draft candidates sorted by their index in the candidate pool, so a parent always comes
+    before its children and depth never decreases with the node index.
+    """
+
+    tokens: torch.Tensor        # (B, N) int64 token of each node (node 0 = root)
+    parent: torch.Tensor        # (B, N) int64 parent node index, -1 at the root
+    depth: torch.Tensor         # (B, N) int64, 0 at the root; position of node i = L_b + depth
+    mask: torch.Tensor          # (B, N, N) bool: mask[b, i, j] = node j is node i or its ancestor
+    first_child: torch.Tensor   # (B, N) int64 lowest-index child, -1 for a leaf
+    next_sibling: torch.Tensor  # (B, N) int64 next child of the same parent, -1 for the last
+    # (B, N, V) float32: row i is the draft distribution node i's token was *sampled* from
+    # (topk == 1 sampling); None when the candidates are deterministic (top-k picks)
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+
+@dataclass
+class VerifyResult:
+    """What acceptance decided for every request of a verify batch."""
+
+    accept_len: torch.Tensor    # (B,) int64 accepted draft nodes, the root and bonus excluded
+    path: torch.Tensor          # (B, S + 1) int64 node at depth d of the accepted path; -1 past it
+    bonus: torch.Tensor         # (B,) int64 token drawn at the last accepted node
+
+    def committed_tokens(self, tree: DraftTree) -> torch.Tensor:
+        """(B, S + 1) the tokens this verify adds after the root: the accepted nodes' tokens,
+        then the bonus at index accept_len; -1 after it."""
+        B, P = self.path.shape
+        d = torch.arange(P, device=self.path.device)[None, :]                # (1, S+1)
+        nxt = torch.cat([self.path[:, 1:], self.path.new_full((B, 1), -1)], 1)  # node at d + 1
+        tok = tree.tokens.gather(1, nxt.clamp(min=0))                        # (B, S+1)
+        tok = torch.where(d < self.accept_len[:, None], tok, torch.full_like(tok, -1))
+        return torch.where(d == self.accept_len[:, None], self.bonus[:, None], tok)
+
+
+@dataclass
 class SpecStats:
     """Speculation counters of one request (filled once speculation ships)."""
 

@@ -1,0 +1,1 @@
+"""Speculative decoding: EAGLE-family drafts, draft KV indexing, tree verify and acceptance."""
