@@ -44,6 +44,61 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+SPEC_ALGORITHMS = ("none", "eagle", "eagle3", "multi_layer_eagle")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding. These fields are the one place the spec defaults live.
+
+    `num_steps` S draft steps, each branching `topk` K ways; `num_draft_tokens` N nodes go to
+    one verify forward per request (the root included). `draft_model` is a checkpoint directory
+    or "random" (a randomly initialised head of the right shape, for tests and smoke runs).
+    """
+
+    algorithm: str = "none"
+    draft_model: str | None = None
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+
+    def __post_init__(self):
+        if self.algorithm not in SPEC_ALGORITHMS:
+            raise ConfigError(f"speculative algorithm={self.algorithm!r} unknown; "
+                              f"choose one of {list(SPEC_ALGORITHMS)}")
+        for name in ("num_steps", "topk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name}={v!r} must be an int >= 1")
+        S, K, N = self.num_steps, self.topk, self.num_draft_tokens
+        if not isinstance(N, int) or N < 2:
+            raise ConfigError(f"num_draft_tokens={N!r} must be an int >= 2 (the root plus at "
+                              f"least one draft token)")
+        if K == 1 and N != S + 1:
+            raise ConfigError(f"topk=1 drafts one chain of num_steps={S} tokens, so "
+                              f"num_draft_tokens must be num_steps + 1 = {S + 1}, not {N}")
+        most = K + (S - 1) * K * K
+        if N - 1 > most:
+            raise ConfigError(f"num_draft_tokens={N}: at most topk + (num_steps - 1) * topk**2 "
+                              f"= {K} + {S - 1} * {K * K} = {most} candidates exist, so "
+                              f"num_draft_tokens - 1 must be <= {most}")
+        if self.enabled and not self.draft_model:
+            raise ConfigError(f"speculative algorithm={self.algorithm!r} needs a draft_model "
+                              f"(a checkpoint directory, or 'random')")
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm != "none"
+
+    @classmethod
+    def from_dict(cls, options: dict) -> "SpecConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown speculative options {unknown}; known: {sorted(known)}")
+        return cls(**options)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"            # "default" | HF directory | .gguf file
@@ -55,8 +110,11 @@ class EngineConfig:
     max_total_tokens: int | None = None  # KV pool slots; default: from mem_fraction
     mem_fraction: float = 0.2            # of free memory for the KV pool when not given
     seed: int = 0                        # seeds requests that give no seed of their own
+    speculative: SpecConfig = SpecConfig()
 
     def __post_init__(self):
+        if isinstance(self.speculative, dict):
+            object.__setattr__(self, "speculative", SpecConfig.from_dict(self.speculative))
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} unknown; choose one of {sorted(set(DTYPES))}")
         try:

@@ -31,13 +31,14 @@ class AttentionBackend:
 
 @dataclass
 class TorchAttnMetadata:
-    batch: ForwardBatch
+    batch: ForwardBatch | None        # None for decode metadata built from kv indices
     kv_idx: torch.Tensor              # (B, Smax) int64 slots, padded with slot 0
     tok_b: torch.Tensor               # (T,) request of each flat token
     tok_t: torch.Tensor               # (T,) index of the token within its request's extend
     t_max: int
     mask: torch.Tensor | None         # (B, 1, Tmax, Smax) bool, None if nothing is masked
     single: bool                      # B == 1: no padding, flat == padded
+    out_cache_loc: torch.Tensor       # (T,) slots the new tokens' K/V are written to
     run_start: int | None = None      # B == 1 and slots consecutive: K/V are a plain slice
 
 
@@ -59,17 +60,21 @@ class TorchAttentionBackend(AttentionBackend):
         kv_idx = torch.where(valid_key, kv_idx, torch.zeros_like(kv_idx))
         # guarded read: CPU raises now; CUDA records the error (no sync) and reads slot 0 instead
         kv_idx = guard_indices(kv_idx, self.kv_pool.size_limit, "attention kv gather")
-        tok_b = torch.repeat_interleave(torch.arange(B, device=dev), batch.extend_lens)
+        tok_b = torch.repeat_interleave(torch.arange(B, device=dev), batch.extend_lens,
+                                        output_size=batch.num_tokens)
         starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
         tok_t = torch.arange(batch.num_tokens, device=dev) - starts[tok_b]
         # query t of request b sits at position prefix_b + t
         q_pos = batch.prefix_lens[:, None] + torch.arange(t_max, device=dev)[None, :]  # (B, Tmax)
         mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & valid_key[:, None, :]   # (B,Tmax,Smax)
         if batch.extend_mask is not None:
-            # keys inside the extend window follow the custom mask; the prefix stays visible
-            for b in range(B):  # per request: the extend window starts at a different column
-                p, n = batch.prefix_lens_cpu[b], ext[b]
-                mask[b, :n, p:p + n] = batch.extend_mask[b, :n, :n]
+            # keys inside the extend window follow the custom (tree) mask; the prefix stays
+            # visible. Key column s of request b is window token rel = s - prefix_b.
+            rel = key_pos[None, :] - batch.prefix_lens[:, None]                         # (B, Smax)
+            inside = (rel >= 0) & (rel < batch.extend_lens[:, None])                    # (B, Smax)
+            em = batch.extend_mask[:, :t_max, :t_max]                                   # (B,Tmax,Tmax)
+            rel_idx = rel.clamp(0, t_max - 1)[:, None, :].expand(B, t_max, s_max)       # (B,Tmax,Smax)
+            mask = torch.where(inside[:, None, :], em.gather(2, rel_idx), mask)
         trivial = B == 1 and t_max == 1 and batch.extend_mask is None
         run_start = None
         if B == 1 and not kv_idx.is_cuda:  # consecutive slots: read a slice, no gather (CPU)
@@ -78,11 +83,36 @@ class TorchAttentionBackend(AttentionBackend):
                 run_start = first
         return TorchAttnMetadata(batch=batch, kv_idx=kv_idx, tok_b=tok_b, tok_t=tok_t, t_max=t_max,
                                  mask=None if trivial else mask[:, None], single=B == 1,
-                                 run_start=run_start)
+                                 out_cache_loc=batch.out_cache_loc, run_start=run_start)
+
+    def init_decode_metadata(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                             kv_lens: tuple[int, ...], out_cache_loc: torch.Tensor
+                             ) -> TorchAttnMetadata:
+        """One query token per sequence, sequence i attending to the slots
+        `kv_indices[kv_indptr[i] : kv_indptr[i] + kv_lens[i]]` (its own new slot included).
+
+        This is how the draft decodes its topk branches: each branch is a sequence whose list
+        (prefix + its draft tokens) comes from `generate_draft_decode_kv_indices`. `kv_lens`
+        is given on the host, so no device value is read here.
+        """
+        dev = kv_indices.device
+        n, s_max = len(kv_lens), max(kv_lens)
+        lens = torch.tensor(kv_lens, device=dev)                          # (n,)
+        key_pos = torch.arange(s_max, device=dev)
+        valid = key_pos[None, :] < lens[:, None]                          # (n, Smax)
+        flat = kv_indptr[:n, None].to(torch.int64) + key_pos[None, :]     # (n, Smax)
+        flat = torch.where(valid, flat, torch.zeros_like(flat))
+        kv_idx = kv_indices.to(torch.int64)[flat]                          # (n, Smax)
+        kv_idx = torch.where(valid, kv_idx, torch.zeros_like(kv_idx))
+        kv_idx = guard_indices(kv_idx, self.kv_pool.size_limit, "attention kv gather")
+        ar = torch.arange(n, device=dev)
+        return TorchAttnMetadata(batch=None, kv_idx=kv_idx, tok_b=ar, tok_t=torch.zeros_like(ar),
+                                 t_max=1, mask=valid[:, None, None, :], single=n == 1,
+                                 out_cache_loc=out_cache_loc)
 
     def forward(self, q, k, v, layer, meta: TorchAttnMetadata, scale):
         """q: (T, H, D), k/v: (T, Hkv, D) for the new tokens -> (T, H, D)."""
-        self.kv_pool.set_kv_buffer(layer, meta.batch.out_cache_loc, k, v)
+        self.kv_pool.set_kv_buffer(layer, meta.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer)
         B, S = meta.kv_idx.shape
         if meta.run_start is not None:  # slots run_start .. run_start + S - 1 (checked above)

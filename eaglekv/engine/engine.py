@@ -16,7 +16,7 @@ import torch
 
 from eaglekv.attention import TorchAttentionBackend
 from eaglekv.config import EngineConfig, SamplingParams
-from eaglekv.core import ForwardBatch, Output, StreamDelta
+from eaglekv.core import ForwardBatch, Output, SpecStats, StreamDelta
 from eaglekv.engine.memory_plan import plan_kv_size
 from eaglekv.engine.request import Req
 from eaglekv.engine.sampler import sample_next
@@ -25,12 +25,14 @@ from eaglekv.errors import ConfigError, KVIndexError, OutOfKVMemoryError, Reques
 from eaglekv.memory import KVPool, ReqToTokenPool, SlotAllocator
 from eaglekv.model import LlamaForCausalLM
 from eaglekv.model.loader import load_checkpoint
+from eaglekv.spec.factory import build_worker, draft_bytes_per_slot, extra_columns, load_draft
 
 Prompt = str | Sequence[int]
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, **options):
+    def __init__(self, config: EngineConfig | None = None, *, drafter=None, **options):
+        """`drafter` overrides the configured draft model (tests pass a scripted drafter)."""
         if config is None:
             config = EngineConfig.from_dict(options)
         elif options:
@@ -42,23 +44,34 @@ class Engine:
         self.model_config = mc = ckpt.config
         self.tokenizer = ckpt.tokenizer
         self.max_context_len = cfg.max_context_len or mc.max_position_embeddings
+        spec = cfg.speculative
+        if drafter is not None and not spec.enabled:
+            raise ConfigError("a drafter was passed but speculative.algorithm is 'none'")
+        # verify positions reach L + num_steps, past the last committed one
         self.model = LlamaForCausalLM(mc, ckpt.state_dict, cfg.torch_dtype, self.device,
-                                      max_positions=self.max_context_len)
+                                      max_positions=self.max_context_len
+                                      + (spec.num_steps + 1 if spec.enabled else 0))
         del ckpt
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
-        # 2. memory sizing, KV cache, request table
-        size = plan_kv_size(cfg, mc, self.max_context_len)
-        self.req_to_token = ReqToTokenPool(cfg.max_running_requests, self.max_context_len,
-                                           device=self.device)
+        # 2. the draft's checkpoint (its KV shares the slots, so it counts in the sizing)
+        draft_ckpt = (load_draft(spec, mc, cfg.seed) if spec.enabled and drafter is None
+                      else None)
+        # 3. memory sizing, KV cache, request table
+        size = plan_kv_size(cfg, mc, self.max_context_len,
+                            draft_bytes_per_slot(draft_ckpt and draft_ckpt[0], cfg.torch_dtype))
+        self.req_to_token = ReqToTokenPool(
+            cfg.max_running_requests, self.max_context_len,
+            extra=extra_columns(spec, cfg.page_size) if spec.enabled else 0, device=self.device)
         self.allocator = SlotAllocator(size, cfg.page_size)
         self.kv_pool = KVPool(size, cfg.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
                               cfg.torch_dtype, self.device)
-        # 3. attention backend
+        # 4. attention backend, speculative worker
         self.backend = TorchAttentionBackend(self.kv_pool, self.req_to_token)
-        # 4. scheduler state
+        self.worker = build_worker(self, spec, draft_ckpt, drafter) if spec.enabled else None
+        # 5. scheduler state
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._rids = itertools.count()
@@ -90,6 +103,8 @@ class Engine:
                                f"{params.max_new_tokens} = {need} exceeds max_context_len="
                                f"{self.max_context_len}")
         pages = self.allocator.pages_needed(0, need - 1)
+        if self.worker is not None:  # the draft and verify window of the last step
+            pages += self.worker.pages_needed_at(need - 1)
         if pages > self.allocator.num_pages:
             raise RequestError(f"request needs {need - 1} KV slots ({pages} pages) but the KV "
                                f"pool holds {self.allocator.size} slots; raise max_total_tokens")
@@ -97,7 +112,8 @@ class Engine:
             torch.randint(0, 2**62, (1,), generator=self._seeds))
         gen = torch.Generator(device=self.device).manual_seed(seed)
         req = Req(rid=next(self._rids), prompt_ids=ids, params=params, generator=gen,
-                  eos_ids=self.eos_ids, tokenizer=self.tokenizer)
+                  eos_ids=self.eos_ids, tokenizer=self.tokenizer,
+                  spec_stats=SpecStats(accept_histogram={}) if self.worker else None)
         self.waiting.append(req)
         return req
 
@@ -110,14 +126,23 @@ class Engine:
         while self.waiting and self.req_to_token.free_rows:
             req = self.waiting[0]
             need = self.allocator.pages_needed(0, len(req.pending_ids)) * ps
-            headroom = ps * len(self.running)  # one page for each running request's next token
+            # room for each running request's next step: one token, or a speculative step
+            headroom = ps * sum(self._step_pages(r) for r in self.running)
             if self.running and self.allocator.available_slots() < need + headroom:
                 return
             self.waiting.popleft()
             req.row = self.req_to_token.alloc()
             self.running.append(req)
 
+    def _step_pages(self, req: Req) -> int:
+        return 1 if self.worker is None else self.worker.pages_needed(req)
+
+    def spec_stats(self):
+        """Engine-wide speculation counters (None without speculation)."""
+        return None if self.worker is None else self.worker.stats
+
     def _release(self, req: Req, after_error: bool = False) -> None:
+        req.draft_state = None
         if req.kv_len:
             slots = self.req_to_token.req_to_token[req.row, :req.kv_len].to(torch.int64)
             if after_error:  # a corrupted entry was never handed out: free only real slots
@@ -146,11 +171,11 @@ class Engine:
                 self._preempt(victims[-1])
 
     # ---- one step ------------------------------------------------------------------------------
-    def step(self) -> list[Req]:
-        """Admit, extend every running request in one forward, sample; returns those requests."""
-        self._admit()
-        planned: list[tuple[Req, list[int], int, torch.Tensor]] = []  # req, ids, prefix, slots
-        for req in list(self.running):
+    def _plan_extend(self, reqs: list[Req]) -> list[tuple[Req, list[int], int, torch.Tensor]]:
+        """Slots for each request's pending tokens, written into req_to_token; returns
+        (req, ids, prefix, slots) for those still running (allocation may preempt)."""
+        planned = []
+        for req in reqs:
             if req not in self.running:  # preempted to make room for an earlier one
                 continue
             ids, prefix = req.pending_ids, req.kv_len
@@ -159,32 +184,47 @@ class Engine:
                 self.device, torch.int32)
             req.kv_len, req.last_slot = prefix + len(ids), int(s[-1])  # owned from here on
             planned.append((req, ids, prefix, s))
-        planned = [p for p in planned if p[0] in self.running]
+        return [p for p in planned if p[0] in self.running]
+
+    def _run_guarded(self, reqs: list[Req], fn) -> None:
+        """Run one step's work; a KV index error fails only these requests, then re-raises.
+        On CUDA the device-side error buffer is read after the step's own sync."""
+        guard = kv_guard(self.device) if self.device.type == "cuda" else None
+        try:
+            with guard.step() if guard else nullcontext():
+                fn()
+            if guard:
+                guard.raise_if_error()
+        except KVIndexError:
+            for r in reqs:  # only this batch fails; the engine keeps serving
+                r.finish_reason = "error"
+                self._finish(r, after_error=True)
+            self._reclaim_orphans()
+            raise
+        for r in reqs:
+            if r.finished and r in self.running:
+                self._finish(r)
+
+    def step(self) -> list[Req]:
+        """Admit, extend every running request in one forward, sample; returns those requests."""
+        self._admit()
+        if self.worker is not None:
+            return self.worker.step()
+        planned = self._plan_extend(list(self.running))
         if not planned:
             return []
         batch_reqs = [p[0] for p in planned]
         batch = ForwardBatch.build([p[1] for p in planned], [p[2] for p in planned],
                                    [r.row for r in batch_reqs], torch.cat([p[3] for p in planned]),
                                    self.device)
-        guard = kv_guard(self.device) if self.device.type == "cuda" else None
-        try:
-            with guard.step() if guard else nullcontext():
-                out = self.model.forward(batch, self.backend,
-                                         logits_indices=batch.last_token_indices)
-                tokens = sample_next(out.logits, [r.params for r in batch_reqs],
-                                     [r.generator for r in batch_reqs])  # the step's host sync
-            if guard:
-                guard.raise_if_error()  # device-side index errors, read after that sync
-        except KVIndexError:
-            for r in batch_reqs:  # only this batch fails; the engine keeps serving
-                r.finish_reason = "error"
-                self._finish(r, after_error=True)
-            self._reclaim_orphans()
-            raise
-        for r, t in zip(batch_reqs, tokens):
-            r.append_tokens([t])
-            if r.finished:
-                self._finish(r)
+
+        def run():
+            out = self.model.forward(batch, self.backend, logits_indices=batch.last_token_indices)
+            tokens = sample_next(out.logits, [r.params for r in batch_reqs],
+                                 [r.generator for r in batch_reqs])  # the step's host sync
+            for r, t in zip(batch_reqs, tokens):
+                r.append_tokens([t])
+        self._run_guarded(batch_reqs, run)
         return batch_reqs
 
     def _reclaim_orphans(self) -> None:

@@ -18,9 +18,12 @@ def free_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def plan_kv_size(cfg: EngineConfig, mc: ModelConfig, max_context_len: int) -> int:
+def plan_kv_size(cfg: EngineConfig, mc: ModelConfig, max_context_len: int,
+                 extra_bytes_per_slot: int = 0) -> int:
+    """`extra_bytes_per_slot`: the draft's KV per slot (its pool shares the slot ids)."""
     ps = cfg.page_size
-    per_slot = KVPool.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.torch_dtype)
+    per_slot = KVPool.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                     cfg.torch_dtype) + extra_bytes_per_slot
     if cfg.max_total_tokens is not None:
         return -(-cfg.max_total_tokens // ps) * ps      # whole pages
     budget = int(free_memory_bytes(torch.device(cfg.device)) * cfg.mem_fraction)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eaglekv.config import SamplingParams
-from eaglekv.core import Output, StreamDelta
+from eaglekv.core import Output, SpecStats, StreamDelta
 
 
 @dataclass
@@ -24,6 +24,8 @@ class Req:
     finish_reason: str | None = None
     text: str = ""
     tokenizer: object = None
+    draft_state: tuple | None = None   # speculative: the draft's (logits, hidden) at the root
+    spec_stats: SpecStats | None = None
     _sent_text: int = 0
     _sent_tokens: int = 0
     _text_tokens: int = 0              # how many output tokens `text` reflects
@@ -98,4 +100,4 @@ class Req:
     def to_output(self) -> Output:
         return Output(text=self.refresh_text(), token_ids=list(self.output_ids),
                       finish_reason=self.finish_reason or "length",
-                      prompt_token_ids=list(self.prompt_ids))
+                      prompt_token_ids=list(self.prompt_ids), spec=self.spec_stats)

@@ -1,0 +1,104 @@
+"""Drafters: where the EAGLE worker takes its proposals from.
+
+The worker runs the draft loop (top-k selection, branching, the tree); a drafter only turns
+inputs into next-token distributions, for an extend over committed tokens and for one decode
+step of every branch. `EagleDrafter` is the EAGLE-1/2 head on its own KV pool; the
+`ScriptedDrafter` proposes tokens a test chooses, so accept lengths can be forced exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from eaglekv.attention import TorchAttentionBackend
+from eaglekv.core import ForwardBatch
+from eaglekv.memory import KVPool, ReqToTokenPool
+
+
+@dataclass
+class DraftOut:
+    logits: torch.Tensor                 # (n, V) next-token logits of each sequence / branch
+    hidden: torch.Tensor | None = None   # (n, H) the draft's output hidden (feeds the next step)
+
+
+class Drafter:
+    """Interface. `kv_pool` is the draft's own KV pool (None if it keeps no KV).
+
+    `extend`: the draft runs over committed positions `batch` (ids shifted left by one, the
+    next token appended), `hidden` (T, H) being the target's hidden states at those positions;
+    returns the distribution at each request's last position.
+    `decode`: one token per branch at `positions`, `hidden` (n, H) the parent's draft hidden,
+    attention over `meta` (the branch's kv list); returns each branch's next distribution.
+    `contexts` (only built when `needs_contexts`) lists the token ids each sequence has seen.
+    """
+
+    kv_pool: KVPool | None = None
+    needs_contexts: bool = False
+
+    def extend(self, batch: ForwardBatch, hidden: torch.Tensor,
+               contexts: list[list[int]] | None) -> DraftOut:
+        raise NotImplementedError
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None,
+               meta, contexts: list[list[int]] | None) -> DraftOut:
+        raise NotImplementedError
+
+    def decode_metadata(self, kv_indptr, kv_indices, kv_lens, out_cache_loc):
+        return None
+
+
+class EagleDrafter(Drafter):
+    """The EAGLE-1/2 head: its one-layer KV pool shares slot ids with the target's."""
+
+    def __init__(self, model, size: int, page_size: int, req_to_token: ReqToTokenPool,
+                 dtype: torch.dtype, device: torch.device):
+        self.model = model
+        layers, kv_heads, head_dim = model.kv_shape()
+        self.kv_pool = KVPool(size, page_size, layers, kv_heads, head_dim, dtype, device)
+        self.backend = TorchAttentionBackend(self.kv_pool, req_to_token)
+
+    def extend(self, batch, hidden, contexts=None) -> DraftOut:
+        meta = self.backend.init_forward_metadata(batch)
+        last = batch.last_token_indices                                   # (B,)
+        out = self.model.forward(batch.input_ids, batch.positions, hidden, self.backend, meta,
+                                 logits_indices=last)
+        return DraftOut(out.logits, out.hidden[last])
+
+    def decode_metadata(self, kv_indptr, kv_indices, kv_lens, out_cache_loc):
+        return self.backend.init_decode_metadata(kv_indptr, kv_indices, kv_lens, out_cache_loc)
+
+    def decode(self, tokens, positions, hidden, meta, contexts=None) -> DraftOut:
+        out = self.model.forward(tokens, positions, hidden, self.backend, meta)
+        return DraftOut(out.logits, out.hidden)
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes `propose(context)`: the tokens to put first, best first, for a sequence that
+    has seen `context` (prompt, output so far, then the branch's draft tokens).
+
+    For tests: with the plain greedy continuation as the script, every draft is accepted; a
+    wrong token at depth d caps the accept length at d - 1. It reads contexts on the host, so
+    it syncs every draft step; it exists to check the worker, not to be fast.
+    """
+
+    needs_contexts = True
+
+    def __init__(self, propose: Callable[[list[int]], list[int]], vocab_size: int,
+                 device: torch.device | str = "cpu"):
+        self.propose, self.vocab_size, self.device = propose, vocab_size, torch.device(device)
+
+    def _logits(self, contexts: list[list[int]]) -> torch.Tensor:
+        logits = torch.full((len(contexts), self.vocab_size), -30.0)      # (n, V)
+        for i, ctx in enumerate(contexts):
+            for rank, tok in enumerate(self.propose(ctx)):
+                logits[i, tok] = 10.0 - rank  # best first; softmax keeps the order
+        return logits.to(self.device)
+
+    def extend(self, batch, hidden, contexts=None) -> DraftOut:
+        return DraftOut(self._logits(contexts))
+
+    def decode(self, tokens, positions, hidden, meta, contexts=None) -> DraftOut:
+        return DraftOut(self._logits(contexts))

@@ -1,0 +1,189 @@
+"""EagleWorker: the EAGLE-1/2 loop inside the engine's continuous batching.
+
+Per engine step either
+  prefill: target extend (hidden states kept) -> sample the first token -> draft extend over
+           the same slots with the ids shifted left by one and that token appended; or
+  decode:  draft (S select steps) -> organize + build tree -> verify (one target extend of N
+           tokens per request under the tree mask) -> accept -> commit -> draft extend over
+           the accepted tokens.
+The accept lengths and tokens reach the host once per step (the step's sync); everything
+before that is tensor code. Slot ids are shared: one slot addresses the target's and the
+draft's K/V of the same token.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from eaglekv.core import ForwardBatch, SpecStats
+from eaglekv.engine.sampler import sample_next
+from eaglekv.spec.accept import greedy_accept, sample_accept
+from eaglekv.spec.draft_loop import DraftLoop, processed_probs, exponential_noise, uniform_noise
+from eaglekv.spec.slots import DraftSlots
+from eaglekv.spec.tree import build_tree, organize
+
+
+class EagleWorker:
+    def __init__(self, engine, drafter, spec):
+        self.engine, self.drafter, self.spec = engine, drafter, spec
+        self.S, self.K, self.N = spec.num_steps, spec.topk, spec.num_draft_tokens
+        self.target = engine.model
+        self.loop = DraftLoop(drafter, self.S, self.K)
+        self.slots = DraftSlots(engine, drafter, spec)
+        self.stats = SpecStats(accept_histogram={})
+        self.timings = {"draft": 0.0, "verify": 0.0, "accept": 0.0, "extend": 0.0}
+
+    # ---- memory ---------------------------------------------------------------------------------
+    def pages_needed(self, req) -> int:
+        """Pages a running request may need during its next decode step (draft slots are
+        returned before the verify slots are taken, so the peak is the larger of the two)."""
+        return self.slots.peak_pages(req.kv_len)
+
+    def pages_needed_at(self, kv_len: int) -> int:
+        return self.slots.peak_pages(kv_len)
+
+    # ---- one engine step -----------------------------------------------------------------------
+    def step(self) -> list:
+        """Prefill the requests that have no draft state yet, else one decode step for all."""
+        eng = self.engine
+        fresh = [r for r in eng.running if r.draft_state is None]
+        if fresh:
+            planned = eng._plan_extend(fresh)
+            reqs = [p[0] for p in planned]
+            if reqs:
+                eng._run_guarded(reqs, lambda: self.prefill(reqs, planned))
+            return reqs
+        self._reserve()
+        reqs = list(eng.running)
+        if reqs:
+            eng._run_guarded(reqs, lambda: self.decode(reqs))
+        return reqs
+
+    def _reserve(self) -> None:
+        """Make sure every running request's decode step fits: preempt the newest until the
+        free pages cover the sum of their peaks, so no allocation inside the step can fail."""
+        eng = self.engine
+        while len(eng.running) > 1 and (sum(self.pages_needed(r) for r in eng.running)
+                                        > eng.allocator.free_pages):
+            eng._preempt(eng.running[-1])
+
+    # ---- prefill --------------------------------------------------------------------------------
+    def prefill(self, reqs, planned) -> None:
+        """planned: (req, ids, prefix, slots) as the engine allocated them."""
+        eng = self.engine
+        batch = ForwardBatch.build([p[1] for p in planned], [p[2] for p in planned],
+                                   [r.row for r in reqs], torch.cat([p[3] for p in planned]),
+                                   eng.device)
+        out = self.target.forward(batch, eng.backend, logits_indices=batch.last_token_indices,
+                                  return_hidden=True)
+        tokens = sample_next(out.logits, [r.params for r in reqs],
+                             [r.generator for r in reqs])                 # the step's sync
+        for r, t in zip(reqs, tokens):
+            r.append_tokens([t])
+        live = [i for i, r in enumerate(reqs) if not r.finished]
+        if live:
+            # draft input at position p is (token p + 1, target hidden p)
+            ids = [reqs[i].all_ids[planned[i][2] + 1:reqs[i].kv_len + 1] for i in live]
+            cu = [0]
+            for ext in batch.extend_lens_cpu:
+                cu.append(cu[-1] + ext)
+            hidden = torch.cat([out.hidden[cu[i]:cu[i + 1]] for i in live])
+            self._draft_extend([reqs[i] for i in live], ids, [planned[i][2] for i in live],
+                               torch.cat([planned[i][3] for i in live]), hidden)
+
+    def _draft_extend(self, reqs, ids, prefix, slots, hidden) -> None:
+        t0 = time.perf_counter()
+        eng = self.engine
+        batch = ForwardBatch.build(ids, prefix, [r.row for r in reqs], slots, eng.device)
+        ctx = [r.all_ids for r in reqs] if self.drafter.needs_contexts else None
+        out = self.drafter.extend(batch, hidden, ctx)
+        for i, r in enumerate(reqs):
+            r.draft_state = (out.logits[i], None if out.hidden is None else out.hidden[i])
+        self.timings["extend"] += time.perf_counter() - t0
+
+    # ---- decode ---------------------------------------------------------------------------------
+    def decode(self, reqs) -> None:
+        eng, S, K, N = self.engine, self.S, self.K, self.N
+        dev = eng.device
+        B = len(reqs)
+        t0 = time.perf_counter()
+        seq_lens = torch.tensor([r.kv_len for r in reqs], device=dev)              # (B,)
+        rows = torch.tensor([r.row for r in reqs], device=dev)                     # (B,)
+        # 1. draft: slots, req_to_token entries and kv indices, then the select steps
+        d = self.slots.prepare_draft(reqs, rows, seq_lens)
+        root_logits = torch.stack([r.draft_state[0] for r in reqs])               # (B, V)
+        root_hidden = (None if reqs[0].draft_state[1] is None
+                       else torch.stack([r.draft_state[1] for r in reqs]))        # (B, H)
+        contexts_of = None
+        if self.drafter.needs_contexts:
+            contexts_of = lambda paths: [r.all_ids + p for r, pk in zip(reqs, paths.tolist())  # noqa: E731
+                                         for p in pk]
+        pool = self.loop.run(reqs, root_logits, root_hidden, seq_lens, d.slots,
+                             d.decode_meta, contexts_of, d.reorder_kv)
+        root = torch.tensor([r.output_ids[-1] for r in reqs], device=dev)         # (B,)
+        tree = build_tree(root, pool.tokens, pool.parents, organize(pool.scores, N), pool.probs)
+        self.slots.release_draft(d)
+        t1 = time.perf_counter()
+        # 2. verify: N tree nodes per request at positions L_b + depth, under the tree mask
+        vslots = self.slots.alloc_verify(reqs, rows, seq_lens)                     # (B, N) cpu
+        batch = ForwardBatch(input_ids=tree.tokens.reshape(-1),
+                             positions=(seq_lens[:, None] + tree.depth).reshape(-1),
+                             req_pool_indices=rows, prefix_lens=seq_lens,
+                             extend_lens=torch.full((B,), N, device=dev),
+                             out_cache_loc=vslots.reshape(-1).to(dev),
+                             prefix_lens_cpu=tuple(r.kv_len for r in reqs),
+                             extend_lens_cpu=(N,) * B, extend_mask=tree.mask)
+        out = self.target.forward(batch, eng.backend, return_hidden=True)
+        logits = out.logits.view(B, N, -1)                                        # (B, N, V)
+        t2 = time.perf_counter()
+        # 3. accept
+        if all(r.params.greedy for r in reqs) and tree.draft_probs is None:
+            res = greedy_accept(tree, logits.argmax(-1), S)
+        else:
+            p = processed_probs(logits.reshape(B * N, -1),
+                                [r.params for r in reqs for _ in range(N)]).view(B, N, -1)
+            gens = [r.generator for r in reqs]
+            res = sample_accept(tree, p, uniform_noise(gens, N, dev),
+                                exponential_noise(gens, p.shape[-1], dev), S)
+        committed = res.committed_tokens(tree)                                    # (B, S + 1)
+        # 4. commit on the device: accepted node at depth j -> position L_b + j (slot j)
+        P = min(S, N - 1)
+        vdev = vslots.to(dev)
+        path = res.path[:, 1:P + 1]                                               # (B, P)
+        dst = vdev[:, 1:P + 1]
+        src = torch.where(path >= 0, vdev.gather(1, path.clamp(min=0)), dst)      # (B, P)
+        eng.kv_pool.move_kv(dst, src)
+        hid = out.hidden.view(B, N, -1).gather(
+            1, res.path[:, :P + 1].clamp(min=0)[:, :, None].expand(B, P + 1, out.hidden.shape[-1]))
+        acc = res.accept_len.tolist()                                              # the sync
+        toks = committed.tolist()
+        t3 = time.perf_counter()
+        # 5. books on the host: free the rejected tail, append tokens, draft extend
+        live, ids, prefix, slots, hidden = [], [], [], [], []
+        for b, r in enumerate(reqs):
+            a = acc[b]
+            self.slots.free_tail(vslots[b, a + 1:])
+            r.kv_len, r.last_slot = r.kv_len + a + 1, int(vslots[b, a])
+            self._count(r, a)
+            r.append_tokens(toks[b][:a + 1])
+            if r.finished:
+                continue
+            live.append(r)
+            ids.append(toks[b][:a + 1])
+            prefix.append(r.kv_len - a - 1)
+            slots.append(vslots[b, :a + 1])
+            hidden.append(hid[b, :a + 1])
+        self.timings["draft"] += t1 - t0
+        self.timings["verify"] += t2 - t1
+        self.timings["accept"] += t3 - t2
+        if live:
+            self._draft_extend(live, ids, prefix, torch.cat(slots), torch.cat(hidden))
+
+    def _count(self, req, accepted: int) -> None:
+        for st in (req.spec_stats, self.stats):
+            st.verify_steps += 1
+            st.draft_tokens += self.N - 1
+            st.accepted_tokens += accepted
+            st.accept_histogram[accepted + 1] = st.accept_histogram.get(accepted + 1, 0) + 1

@@ -1,0 +1,126 @@
+"""KV slots of one EAGLE step: the draft's temporary slots and the verify window.
+
+Draft slots follow DESIGN.md "Draft KV indices": ps == 1 or K == 1, branch t's draft token s
+sits at position L_b + t*S + s of the request's req_to_token row; ps > 1 with K > 1, every
+branch owns page-aligned pages, branches t >= 1 starting with a copy of the prefix's partial
+last page. They live only for the draft phase. The verify window takes N slots at positions
+L_b .. L_b + N - 1; after acceptance the accepted ones stay, the rest go back.
+
+The kv_indices buffer is sized once, from the largest batch the config allows (guard 2:
+`draft_kv_indices_buffer_width` raises if its int32 offsets could overflow).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eaglekv.spec.spec_utils import (assign_draft_cache_locs, draft_kv_indices_buffer_width,
+                                     generate_draft_decode_kv_indices)
+
+
+class DraftBatch:
+    """The draft slots of one step and the per-step attention metadata over them."""
+
+    def __init__(self, owner: "DraftSlots", slots: torch.Tensor, owned: list[torch.Tensor]):
+        self.owner = owner
+        self.slots = slots            # (B, K, S) int64 on the device: step i writes [:, :, i]
+        self.owned = owned            # cpu slot tensors to free after drafting
+
+    def decode_meta(self, step: int, kv_lens: tuple[int, ...]):
+        o = self.owner
+        return o.drafter.decode_metadata(o.kv_indptr[step], o.kv_indices[step], kv_lens,
+                                         self.slots[:, :, step].reshape(-1))
+
+    def reorder_kv(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.owner.drafter.kv_pool is not None:
+            self.owner.drafter.kv_pool.move_kv(dst.reshape(-1), src.reshape(-1))
+
+
+class DraftSlots:
+    def __init__(self, engine, drafter, spec):
+        self.eng, self.drafter = engine, drafter
+        self.S, self.K, self.N = spec.num_steps, spec.topk, spec.num_draft_tokens
+        self.ps = engine.config.page_size
+        R = engine.config.max_running_requests
+        # guard 2, evaluated for the largest batch the config allows
+        width = draft_kv_indices_buffer_width(R, self.K, engine.max_context_len + self.S)
+        dev = engine.device
+        self.kv_indices = torch.zeros(self.S, width, dtype=torch.int32, device=dev)
+        self.kv_indptr = torch.zeros(self.S, R * self.K + 1, dtype=torch.int32, device=dev)
+
+    # ---- sizing ---------------------------------------------------------------------------------
+    def _npp(self, L: int) -> int:
+        """Pages per branch (ps > 1, K > 1): ceil((L % ps + S) / ps)."""
+        return -(-(L % self.ps + self.S) // self.ps)
+
+    def peak_pages(self, L: int) -> int:
+        a = self.eng.allocator
+        S, K, ps = self.S, self.K, self.ps
+        if ps == 1 or K == 1:
+            draft = a.pages_needed(L, K * S)
+        else:
+            draft = a.pages_needed(L, S) + (K - 1) * self._npp(L)
+        return max(draft, a.pages_needed(L, self.N))
+
+    # ---- draft phase ----------------------------------------------------------------------------
+    def prepare_draft(self, reqs, rows: torch.Tensor, seq_lens: torch.Tensor) -> DraftBatch:
+        eng, S, K, ps = self.eng, self.S, self.K, self.ps
+        alloc = eng.allocator
+        B = len(reqs)
+        slots = torch.empty(B, K, S, dtype=torch.int64)                        # cpu
+        owned, copy_locs, copy_src = [], None, []
+        paged_tree = ps > 1 and K > 1
+        if paged_tree:
+            copy_locs = torch.zeros(B, K - 1, ps, dtype=torch.int64)
+        for b, r in enumerate(reqs):
+            L = r.kv_len
+            if not paged_tree:
+                s = alloc.alloc(K * S, L, r.last_slot)                         # [t][s] order
+                slots[b] = s.view(K, S)
+                owned.append(s)
+                continue
+            s0 = alloc.alloc(S, L, r.last_slot)       # branch 0 continues the prefix's page
+            slots[b, 0] = s0
+            owned.append(s0)
+            last = L % ps
+            for t in range(1, K):
+                pages = alloc.alloc(self._npp(L) * ps, 0)                       # fresh pages
+                owned.append(pages)
+                slots[b, t] = pages[last:last + S]
+                copy_locs[b, t - 1, :last] = pages[:last]
+            if last:
+                copy_src.append((b, L - last, last))
+        dev = eng.device
+        slots_dev = slots.to(dev)
+        r2t = eng.req_to_token.req_to_token
+        assign_draft_cache_locs(r2t, rows, seq_lens, slots_dev.reshape(-1), K, S, ps,
+                                None if copy_locs is None else copy_locs.to(dev))
+        pool = self.drafter.kv_pool
+        if copy_src and pool is not None:
+            # branches t >= 1 start with a copy of the prefix's partial last page
+            dst, src = [], []
+            for b, start, last in copy_src:
+                prefix_slots = r2t[reqs[b].row, start:start + last].to(torch.int64)
+                for t in range(K - 1):
+                    dst.append(copy_locs[b, t, :last].to(dev))
+                    src.append(prefix_slots)
+            pool.move_kv(torch.cat(dst), torch.cat(src))
+        generate_draft_decode_kv_indices(r2t, rows, seq_lens, K, S, ps, self.kv_indices,
+                                         self.kv_indptr, eng.kv_pool.size_limit)
+        return DraftBatch(self, slots_dev, owned)
+
+    def release_draft(self, d: DraftBatch) -> None:
+        self.eng.allocator.free(torch.cat(d.owned))
+
+    # ---- verify window --------------------------------------------------------------------------
+    def alloc_verify(self, reqs, rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """(B, N) cpu slots for positions L_b .. L_b + N - 1, written into req_to_token."""
+        alloc, N = self.eng.allocator, self.N
+        vslots = torch.stack([alloc.alloc(N, r.kv_len, r.last_slot) for r in reqs])  # (B, N)
+        cols = seq_lens[:, None] + torch.arange(N, device=seq_lens.device)[None, :]  # (B, N)
+        self.eng.req_to_token.req_to_token[rows[:, None], cols] = vslots.to(
+            seq_lens.device, torch.int32)
+        return vslots
+
+    def free_tail(self, slots: torch.Tensor) -> None:
+        self.eng.allocator.free(slots)
