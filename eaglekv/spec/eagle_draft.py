@@ -1,0 +1,110 @@
+"""The EAGLE-1/2 draft head on its own one-layer paged KV pool.
+
+Forward (SafeAILab/EAGLE `cnets1.py: Model.forward`, SGLang `llama_eagle.py`):
+
+    x   = fc(cat([embed(token_t), f_t]))        # (T, 2H) -> (T, H); embedding first
+    x  += attn(x)                               # layer 0: no input_layernorm (published heads)
+    g_t = x + mlp(post_attention_layernorm(x))  # the draft's feature, (T, H)
+    logits = g_t @ lm_head                      # the target's head, no final norm
+
+`f_t` is the target's final-norm hidden state (what its LM head reads: the reference feeds
+`base_model.model(...)[0]`, SGLang its captured hidden states; here
+`LlamaForCausalLM.forward(..., return_hidden=True).hidden`). For later draft steps `f` is the
+draft's own `g` of the parent token. Token t of the draft pairs `f_t` with token t+1, which the
+caller arranges (prefill: input ids shifted left by one, the target's next token appended).
+
+Embedding and LM head are the target's (the published checkpoints store a frozen copy of the
+target embedding, SafeAILab/EAGLE #60; SGLang replaces it by the target's too), so the
+checkpoint's `embed_tokens.weight` is checked for shape and dropped unless
+`use_own_embed=True`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eaglekv.errors import ModelLoadError
+from eaglekv.model.llama import DecoderLayer, LlamaForCausalLM, ModelOutput, linear, rms_norm, t
+from eaglekv.model.rope import RotaryEmbedding
+from eaglekv.spec.draft_loader import (LAYER, EagleDraftConfig, check_against_target,
+                                       check_eagle_state_dict)
+
+
+class EagleDecoderLayer(DecoderLayer):
+    """A Llama DecoderLayer whose input_layernorm may be absent (EAGLE's layer 0)."""
+
+    def __init__(self, cfg, w: dict[str, torch.Tensor]):
+        # DecoderLayer reads the key unconditionally; None marks "no input norm"
+        super().__init__(cfg, {"input_layernorm.weight": None, **w})
+
+    def forward(self, x, residual, rot, backend, meta, layer_id):
+        if self.input_norm is not None:
+            return super().forward(x, residual, rot, backend, meta, layer_id)
+        # DecoderLayer.forward with h = residual instead of input_norm(residual)
+        cfg = self.cfg
+        residual = x if residual is None else residual + x
+        T, H, Hkv, D = residual.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = linear(residual, self.qkv, self.qkv_bias).view(T, H + 2 * Hkv, D)  # (T, H+2Hkv, D)
+        qk = RotaryEmbedding.apply(qkv[:, :H + Hkv], rot)                        # (T, H+Hkv, D)
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
+        attn = backend.forward(q, k, v, layer_id, meta, D ** -0.5)                # (T, H, D)
+        residual = residual + linear(attn.reshape(T, cfg.q_size), self.o)
+        h = rms_norm(residual, self.post_norm, cfg.rms_norm_eps)
+        gate, up = linear(h, self.gate_up).chunk(2, -1)                           # (T, I) each
+        return linear(F.silu(gate) * up, self.down), residual
+
+
+class EagleDraftModel:
+    def __init__(self, cfg: EagleDraftConfig, sd: dict[str, torch.Tensor],
+                 target: LlamaForCausalLM, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", *, use_own_embed: bool = False):
+        # 1. config: checked against the target whose hidden states and head it uses
+        check_against_target(cfg, target.cfg)
+        check_eagle_state_dict(cfg, sd)
+        if use_own_embed and not cfg.has_embed:
+            raise ModelLoadError("use_own_embed=True but the draft checkpoint has no "
+                                 "embed_tokens.weight")
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.target = target
+        # 2. weights, stored (in, out) like the target's
+        sd = {n: w.to(device=device, dtype=dtype) for n, w in sd.items()}
+        self.fc = t(sd["fc.weight"])                                   # (2H, H)
+        self.fc_bias = sd.get("fc.bias") if cfg.fc_bias else None     # (H,)
+        self.layer = EagleDecoderLayer(cfg.layer_config(), {
+            n[len(LAYER):]: w for n, w in sd.items() if n.startswith(LAYER)})
+        self.embed = sd["embed_tokens.weight"] if use_own_embed else None  # (V, H)
+        # (H, V), shared with the target (a copy only when dtype or device differ)
+        self.lm_head_t = target.lm_head_t.to(device=device, dtype=dtype)
+        # 3. RoPE with the draft's own theta/scaling, as many positions as the target serves
+        self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, target.rope.max_positions, device)
+
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(num_layers=1, kv_heads, head_dim): build the draft pool as
+        `KVPool(size, page_size, *draft.kv_shape(), dtype, device)`."""
+        return self.cfg.kv_shape
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """(T,) -> (T, H)."""
+        if self.embed is not None:
+            return self.embed.index_select(0, ids)
+        return self.target.embed_tokens(ids).to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                backend, meta, logits_indices: torch.Tensor | None = None) -> ModelOutput:
+        """One draft extend over the draft pool's layer 0.
+
+        input_ids, positions: (T,) int64; hidden: (T, H) the feature paired with each token;
+        `meta` is `backend.init_forward_metadata(batch)` of the batch these tokens form.
+        Returns logits (n, V) at `logits_indices` (all T when None) and hidden (T, H), the
+        draft's output feature g (no norm), which feeds the next draft step.
+        """
+        e = self.embed_tokens(input_ids)                                          # (T, H)
+        x = linear(torch.cat([e, hidden.to(self.dtype)], -1), self.fc, self.fc_bias)  # (T, H)
+        rot = self.rope.rotations(positions)                                      # (T, 1, D/2)
+        x, residual = self.layer.forward(x, None, rot, backend, meta, 0)
+        g = residual + x                                                          # (T, H)
+        gs = g if logits_indices is None else g[logits_indices]                   # (n, H)
+        logits = gs @ self.lm_head_t                                              # (n, V)
+        return ModelOutput(logits=logits, hidden=g)

@@ -1,0 +1,300 @@
+"""EAGLE-1/2 draft head: its paged forward equals a plain-torch reference of the published
+module (SafeAILab/EAGLE cnets1.py), over prefill and cached extends; checkpoints round-trip in
+both formats; every mismatch gets its own error."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_tiny
+from eaglekv.attention import TorchAttentionBackend
+from eaglekv.core import ForwardBatch
+from eaglekv.errors import ModelLoadError
+from eaglekv.memory import KVPool, ReqToTokenPool, SlotAllocator
+from eaglekv.model.llama import LlamaForCausalLM
+from eaglekv.model.loader import load_hf_dir
+from eaglekv.spec.draft_loader import (EagleDraftConfig, load_eagle_draft, random_eagle_draft,
+                                       save_eagle_draft)
+from eaglekv.spec.eagle_draft import EagleDraftModel
+
+TARGETS = {
+    "untied": {},
+    "tied_llama3_rope": dict(tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64)),
+}
+
+
+@pytest.fixture(scope="module", params=list(TARGETS))
+def target(request, tmp_path_factory):
+    """(LlamaForCausalLM, its HF state dict) of a tiny random Llama."""
+    path = tmp_path_factory.mktemp(request.param)
+    make_tiny(path, **TARGETS[request.param])
+    cfg, sd = load_hf_dir(path)
+    return LlamaForCausalLM(cfg, sd, torch.float32), sd
+
+
+# ---- the reference: the published module in plain torch (HF rotate-half RoPE) ------------------
+def reference_forward(cfg_dict, sd, embed_w, head_w, ids, hidden):
+    """Full causal attention over the whole sequence; returns (logits (T, V), g (T, H))."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    H, nh = cfg_dict["hidden_size"], cfg_dict["num_attention_heads"]
+    nkv, eps = cfg_dict["num_key_value_heads"], cfg_dict["rms_norm_eps"]
+    D = cfg_dict.get("head_dim") or H // nh
+    T = len(ids)
+    p = "layers.0."
+
+    def norm(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    x = F.linear(torch.cat([embed_w[ids], hidden], -1), sd["fc.weight"], sd.get("fc.bias"))
+    h = norm(x, sd[p + "input_layernorm.weight"]) if p + "input_layernorm.weight" in sd else x
+    q = F.linear(h, sd[p + "self_attn.q_proj.weight"], sd.get(p + "self_attn.q_proj.bias"))
+    k = F.linear(h, sd[p + "self_attn.k_proj.weight"], sd.get(p + "self_attn.k_proj.bias"))
+    v = F.linear(h, sd[p + "self_attn.v_proj.weight"], sd.get(p + "self_attn.v_proj.bias"))
+    q = q.view(1, T, nh, D).transpose(1, 2)        # (1, nh, T, D)
+    k = k.view(1, T, nkv, D).transpose(1, 2)       # (1, nkv, T, D)
+    v = v.view(1, T, nkv, D).transpose(1, 2)
+    rope = LlamaRotaryEmbedding(LlamaConfig(**{k_: v_ for k_, v_ in cfg_dict.items()
+                                               if k_ not in ("model_type", "architectures")}))
+    cos, sin = rope(v, torch.arange(T)[None])
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(D)                       # (1, nh, T, T)
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(T, nh * D)
+    r = x + F.linear(attn, sd[p + "self_attn.o_proj.weight"])
+    m = norm(r, sd[p + "post_attention_layernorm.weight"])
+    mlp = F.linear(F.silu(F.linear(m, sd[p + "mlp.gate_proj.weight"]))
+                   * F.linear(m, sd[p + "mlp.up_proj.weight"]), sd[p + "mlp.down_proj.weight"])
+    g = r + mlp
+    return g @ head_w.T, g
+
+
+def target_embed_head(target_sd, tied):
+    emb = target_sd["model.embed_tokens.weight"]
+    return emb, emb if tied else target_sd["lm_head.weight"]
+
+
+# ---- paged runs --------------------------------------------------------------------------------
+class DraftRunner:
+    """A draft on its own 1-layer pool, a ReqToTokenPool and an allocator, as the engine has."""
+
+    def __init__(self, draft: EagleDraftModel, page_size: int, size: int = 256):
+        self.draft = draft
+        self.pool = KVPool(size, page_size, *draft.kv_shape())
+        self.r2t = ReqToTokenPool(4, 128)
+        self.alloc = SlotAllocator(size, page_size)
+        self.backend = TorchAttentionBackend(self.pool, self.r2t)
+
+    def run(self, seqs, chunks):
+        """seqs: [(ids (T_b,), hidden (T_b, H))]; chunks[r][b]: tokens request b adds in round r.
+        Returns per request (logits (T_b, V), g (T_b, H)) gathered over the rounds."""
+        rows = [self.r2t.alloc() for _ in seqs]
+        pos, last = [0] * len(seqs), [-1] * len(seqs)
+        outs = [([], []) for _ in seqs]
+        for rnd in chunks:
+            slots = []
+            for b, n in enumerate(rnd):
+                s = self.alloc.alloc(n, pos[b], last[b])
+                self.r2t.req_to_token[rows[b], pos[b]:pos[b] + n] = s.int()
+                slots.append(s)
+            batch = ForwardBatch.build([seqs[b][0][pos[b]:pos[b] + n].tolist()
+                                        for b, n in enumerate(rnd)], pos, rows, torch.cat(slots))
+            hidden = torch.cat([seqs[b][1][pos[b]:pos[b] + n] for b, n in enumerate(rnd)])
+            meta = self.backend.init_forward_metadata(batch)
+            out = self.draft.forward(batch.input_ids, batch.positions, hidden, self.backend, meta)
+            assert out.logits.shape == (batch.num_tokens, self.draft.cfg.vocab_size)
+            assert out.hidden.shape == (batch.num_tokens, self.draft.cfg.hidden_size)
+            cu = 0
+            for b, n in enumerate(rnd):
+                outs[b][0].append(out.logits[cu:cu + n])
+                outs[b][1].append(out.hidden[cu:cu + n])
+                cu += n
+            pos = [p + n for p, n in zip(pos, rnd)]
+            last = [int(s[-1]) if len(s) else l for s, l in zip(slots, last)]
+        for b, row in enumerate(rows):
+            self.alloc.free(self.r2t.req_to_token[row, :pos[b]])
+            self.r2t.free(row)
+        self.alloc.check_integrity()
+        self.r2t.check_integrity()
+        assert self.alloc.is_full()
+        return [(torch.cat(lg), torch.cat(g)) for lg, g in outs]
+
+
+def make_seq(n, H, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g), torch.randn(n, H, generator=g)
+
+
+VARIANTS = {
+    "published": {},                                   # fc bias, no input norm, own embed copy
+    "no_bias_input_norm_mha": dict(fc_bias=False, input_norm=True, with_embed=False,
+                                   num_heads=2, intermediate_size=96),
+    "qkv_bias_gqa1": dict(qkv_bias=True, num_kv_heads=1),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_draft_forward_matches_reference(target, variant, page_size):
+    """Two requests, prefill then extends of 1-3 tokens on the cached prefix: every position's
+    logits and output feature equal the reference on the full sequence (fp32, 1e-4)."""
+    model, tsd = target
+    tcfg = model.cfg
+    cfg_dict, sd = random_eagle_draft(tcfg, seed=3, std=0.1, **VARIANTS[variant])
+    draft = EagleDraftModel(EagleDraftConfig.from_dict(cfg_dict, sd), sd, model, torch.float32)
+    assert draft.kv_shape() == (1, cfg_dict["num_key_value_heads"],
+                                cfg_dict.get("head_dim") or tcfg.hidden_size // cfg_dict[
+                                    "num_attention_heads"])
+    seqs = [make_seq(14, tcfg.hidden_size, 1), make_seq(9, tcfg.hidden_size, 2)]
+    got = DraftRunner(draft, page_size).run(seqs, [[8, 5], [1, 2], [3, 1], [2, 1]])
+    emb, head = target_embed_head(tsd, tcfg.tie_word_embeddings)
+    for (ids, hid), (lg, g) in zip(seqs, got):
+        ref_lg, ref_g = reference_forward(cfg_dict, sd, emb, head, ids, hid)
+        torch.testing.assert_close(g, ref_g, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lg, ref_lg, rtol=1e-4, atol=1e-4)
+
+
+def test_logits_indices_and_own_embed(target, tmp_path):
+    """logits_indices picks rows; use_own_embed reads the checkpoint's copy (equal to the
+    target's here, so the output is the same)."""
+    model, tsd = target
+    cfg_dict, sd = random_eagle_draft(model.cfg, seed=5, std=0.1,
+                                      embed=tsd["model.embed_tokens.weight"])
+    save_eagle_draft(tmp_path, cfg_dict, sd)
+    cfg, sd2 = load_eagle_draft(tmp_path, model.cfg)
+    assert cfg.has_embed and cfg.fc_bias and not cfg.has_input_norm
+    outs = []
+    for own in (False, True):
+        draft = EagleDraftModel(cfg, sd2, model, torch.float32, use_own_embed=own)
+        runner = DraftRunner(draft, 1)
+        ids, hid = make_seq(6, model.cfg.hidden_size, 7)
+        row = runner.r2t.alloc()
+        slots = runner.alloc.alloc(6)
+        runner.r2t.req_to_token[row, :6] = slots.int()
+        batch = ForwardBatch.build([ids.tolist()], [0], [row], slots)
+        meta = runner.backend.init_forward_metadata(batch)
+        full = draft.forward(batch.input_ids, batch.positions, hid, runner.backend, meta)
+        meta = runner.backend.init_forward_metadata(batch)
+        part = draft.forward(batch.input_ids, batch.positions, hid, runner.backend, meta,
+                             logits_indices=torch.tensor([5, 2]))
+        torch.testing.assert_close(part.logits, full.logits[[5, 2]])
+        torch.testing.assert_close(part.hidden, full.hidden)
+        outs.append(full.logits)
+    torch.testing.assert_close(outs[0], outs[1])
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt,shards,prefix", [("bin", 1, ""), ("safetensors", 1, ""),
+                                               ("safetensors", 3, "model."), ("bin", 2, "model.")])
+def test_save_load_round_trip(target, tmp_path, fmt, shards, prefix):
+    model, _ = target
+    cfg_dict, sd = random_eagle_draft(model.cfg, seed=1, fc_bias=False)
+    save_eagle_draft(tmp_path, cfg_dict, {prefix + n: w for n, w in sd.items()}, fmt, shards)
+    cfg, sd2 = load_eagle_draft(tmp_path, model.cfg)
+    assert sd2.keys() == sd.keys()
+    assert all(torch.equal(sd[n], sd2[n]) for n in sd)
+    assert cfg == EagleDraftConfig.from_dict(cfg_dict, sd)
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.fc_bias, cfg.has_embed) == (64, 256, False, True)
+    assert "layers.0.input_layernorm.weight" not in sd2 and "fc.bias" not in sd2
+
+
+def bad_checkpoint(tmp_path, tcfg, edit_cfg=None, edit_sd=None, **kw):
+    cfg_dict, sd = random_eagle_draft(tcfg, **kw)
+    if edit_cfg:
+        edit_cfg(cfg_dict)
+    if edit_sd:
+        edit_sd(sd)
+    save_eagle_draft(tmp_path, cfg_dict, sd, "safetensors")
+    return tmp_path
+
+
+def _set(d, k, v):
+    d[k] = v
+
+
+CASES = {
+    "hidden": (dict(tcfg=lambda c: dataclasses.replace(c, hidden_size=32, head_dim=8)),
+               "draft hidden_size=32 differs from the target's hidden_size=64"),
+    "vocab": (dict(tcfg=lambda c: dataclasses.replace(c, vocab_size=300)),
+              "draft vocab_size=300 differs from the target's vocab_size=256"),
+    "missing": (dict(edit_sd=lambda sd: sd.pop("layers.0.mlp.up_proj.weight")),
+                "missing tensor layers.0.mlp.up_proj.weight (expected shape (128, 64))"),
+    "missing_bias": (dict(edit_sd=lambda sd: sd.pop("fc.bias")),
+                     "missing tensor fc.bias (expected shape (64,))"),
+    "shape": (dict(edit_sd=lambda sd: _set(sd, "layers.0.self_attn.o_proj.weight",
+                                           torch.zeros(64, 32))),
+              "layers.0.self_attn.o_proj.weight has shape (64, 32), config expects (64, 64)"),
+    "embed_shape": (dict(edit_sd=lambda sd: _set(sd, "embed_tokens.weight", torch.zeros(255, 64))),
+                    "embed_tokens.weight has shape (255, 64), config expects (256, 64)"),
+    "unexpected": (dict(edit_sd=lambda sd: _set(sd, "layers.1.mlp.up_proj.weight",
+                                                torch.zeros(128, 64))),
+                   "1 unexpected tensors, e.g. ['layers.1.mlp.up_proj.weight']"),
+    "lm_head": (dict(edit_sd=lambda sd: _set(sd, "lm_head.weight", torch.zeros(256, 64))),
+                "unexpected tensors, e.g. ['lm_head.weight']"),
+    "eagle3_tensors": (dict(edit_sd=lambda sd: sd.update(
+        {"midlayer.self_attn.q_proj.weight": torch.zeros(64, 128), "d2t": torch.zeros(8)})),
+        "this is an EAGLE-3 draft; use algorithm='eagle3'"),
+    "eagle3_config": (dict(edit_cfg=lambda d: _set(d, "draft_vocab_size", 32)),
+                      "this is an EAGLE-3 draft; use algorithm='eagle3'"),
+    "two_layers": (dict(edit_cfg=lambda d: _set(d, "num_hidden_layers", 2)),
+                   "num_hidden_layers=2; an EAGLE-1/2 draft head has exactly 1 decoder layer"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_mismatch_has_its_own_error(target, tmp_path, case):
+    model, _ = target
+    kw, msg = CASES[case]
+    kw = dict(kw)
+    draft_tcfg = kw.pop("tcfg", lambda c: c)(model.cfg)
+    path = bad_checkpoint(tmp_path, draft_tcfg, **kw)
+    with pytest.raises(ModelLoadError) as e:
+        load_eagle_draft(path, model.cfg)
+    assert msg in str(e.value)
+
+
+def test_missing_files_and_unsafe_pickle(target, tmp_path):
+    model, _ = target
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_eagle_draft(tmp_path / "nope", model.cfg)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="holds no config.json"):
+        load_eagle_draft(tmp_path / "empty", model.cfg)
+    cfg_dict, sd = random_eagle_draft(model.cfg)
+    save_eagle_draft(tmp_path / "ok", cfg_dict, sd)
+    (tmp_path / "ok" / "pytorch_model.bin").unlink()
+    with pytest.raises(ModelLoadError, match="no weights in .*pytorch_model.bin or"):
+        load_eagle_draft(tmp_path / "ok", model.cfg)
+    with pytest.raises(ModelLoadError, match="is not a directory"):
+        load_eagle_draft(tmp_path / "ok" / "config.json", model.cfg)
+    # weights_only=True: a pickle carrying anything but tensors is refused, not executed
+    torch.save({**sd, "when": datetime.datetime(2024, 1, 1)}, tmp_path / "ok" / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="tensor-only checkpoint"):
+        load_eagle_draft(tmp_path / "ok", model.cfg)
+    save_eagle_draft(tmp_path / "cut", cfg_dict, sd, "safetensors")
+    f = tmp_path / "cut" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match="cannot read safetensors weights"):
+        load_eagle_draft(tmp_path / "cut", model.cfg)
+
+
+def test_draft_model_checks_target(target):
+    """Built straight from a state dict (no loader), the model still checks the target."""
+    model, _ = target
+    other = dataclasses.replace(model.cfg, vocab_size=512)
+    cfg_dict, sd = random_eagle_draft(other)
+    with pytest.raises(ModelLoadError, match="vocab_size=512 differs"):
+        EagleDraftModel(EagleDraftConfig.from_dict(cfg_dict, sd), sd, model, torch.float32)
+    cfg_dict, sd = random_eagle_draft(model.cfg, with_embed=False)
+    with pytest.raises(ModelLoadError, match="no embed_tokens.weight"):
+        EagleDraftModel(EagleDraftConfig.from_dict(cfg_dict, sd), sd, model, torch.float32,
+                        use_own_embed=True)
