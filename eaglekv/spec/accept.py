@@ -1,0 +1,137 @@
+"""Acceptance: walk the verified tree and decide what each request commits (DESIGN.md
+"The EAGLE loop", 6).
+
+Both rules are pure tensor code over the batch; the only Python loop is over depth (<= S), so
+they hold no host sync and can sit inside a CUDA graph. A step emits accept_len draft tokens
+plus one bonus token, so accept_len + 1 >= 1 tokens per verify.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eaglekv.core import DraftTree, VerifyResult
+
+
+def _new_path(B: int, num_steps: int, device) -> torch.Tensor:
+    path = torch.full((B, num_steps + 1), -1, dtype=torch.int64, device=device)       # (B, S+1)
+    path[:, 0] = 0
+    return path
+
+
+def _row(x: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
+    """x (B, N, V), node (B,) -> x[b, node[b]] (B, V)."""
+    B, _, V = x.shape
+    return x.gather(1, node[:, None, None].expand(B, 1, V)).squeeze(1)                # (B, V)
+
+
+def _first(cond: torch.Tensor) -> torch.Tensor:
+    """(B, N) bool -> (B,) lowest index where cond holds, N where it never does."""
+    N = cond.shape[1]
+    idx = torch.arange(N, device=cond.device)
+    return torch.where(cond, idx, N).amin(-1)                                          # (B,)
+
+
+def greedy_accept(tree: DraftTree, target_argmax: torch.Tensor, num_steps: int) -> VerifyResult:
+    """Greedy verify. target_argmax (B, N) int64: the target's argmax at every node.
+
+    From the root: accept the child c of the current node u with token(c) == argmax(u) (lowest
+    node index if siblings repeat a token), move to c, repeat; at most `num_steps` times.
+    bonus = argmax(last accepted node). path[:, d] = node at depth d, -1 past accept_len.
+    """
+    B, N = tree.tokens.shape
+    dev = tree.tokens.device
+    path = _new_path(B, num_steps, dev)
+    cur = torch.zeros(B, dtype=torch.int64, device=dev)                                # (B,)
+    alive = torch.ones(B, dtype=torch.bool, device=dev)                                # (B,)
+    for d in range(num_steps):
+        want = target_argmax.gather(1, cur[:, None])                                   # (B, 1)
+        # match[b, c] = c is a child of cur[b] and token(c) == argmax(cur[b])
+        match = (tree.parent == cur[:, None]) & (tree.tokens == want)                 # (B, N)
+        nxt = _first(match)                                                            # (B,)
+        alive = alive & (nxt < N)
+        cur = torch.where(alive, nxt, cur)
+        path[:, d + 1] = torch.where(alive, cur, -1)
+    accept_len = (path[:, 1:] >= 0).sum(-1)                                            # (B,)
+    bonus = target_argmax.gather(1, cur[:, None]).squeeze(1)                           # (B,)
+    return VerifyResult(accept_len=accept_len, path=path, bonus=bonus)
+
+
+def _race(r: torch.Tensor, expo: torch.Tensor) -> torch.Tensor:
+    """Exact draw from norm(r) (B, V), r >= 0 unnormalised: argmax_v r(v) / E_v, E_v ~ Exp(1)
+    i.i.d. (min_v E_v / r(v) is attained at v with probability r(v) / sum r)."""
+    return (r / expo.clamp(min=torch.finfo(expo.dtype).tiny)).argmax(-1)               # (B,)
+
+
+def sample_accept(tree: DraftTree, target_p: torch.Tensor, coins: torch.Tensor,
+                  expo: torch.Tensor, num_steps: int) -> VerifyResult:
+    """Lossless speculative sampling over the tree.
+
+    target_p (B, N, V): processed target distribution at each node (`target_probs`);
+    coins (B, N) uniform [0, 1): coin of the attempt on node c; expo (B, V) Exp(1) noise for the
+    one final draw. Rule by `tree.draft_probs`:
+
+    (a) None -- deterministic candidates (top-k picks), any tree. At node u, r = p(u); try the
+        children c_1 < c_2 < ... in node order: accept c_k (token x_k) iff
+            coin(c_k) < r(x_k) / sum(r),   r = p(u) with x_1..x_{k-1} removed,
+        i.e. coin * (sum(r_free) + sum_{j >= k} p(x_j)) < p(x_k) with r_free = p(u) off the
+        children's tokens (distinct tokens; a repeated sibling token has r(x) = 0, never
+        accepted). On acceptance move to c_k with r = p(c_k); when every child is rejected
+        (or u is a leaf) the bonus is drawn from r = r_free, exactly.
+    (b) given -- a chain sampled from q (topk == 1): child c = first_child(u), x = token(c),
+        q = draft_probs[c]: accept iff coin(c) < min(1, p(x) / q(x)), i.e. coin * q(x) < p(x);
+        on rejection the bonus is drawn from norm(max(p - q, 0)) (p if that is all zero);
+        after the whole chain, from p at the last node. Only first children are tried.
+
+    One-hot p (and one-hot q at the proposed tokens) reproduces `greedy_accept`.
+    """
+    B, N, V = target_p.shape
+    dev = target_p.device
+    idx = torch.arange(N, device=dev)
+    sampled = tree.draft_probs is not None
+    if not sampled:
+        # dup[b, j] = an earlier sibling of j carries the same token (then r(token(j)) = 0)
+        same = (tree.parent[:, None, :] == tree.parent[:, :, None]) \
+            & (tree.tokens[:, None, :] == tree.tokens[:, :, None]) \
+            & (idx[None, :] < idx[:, None])[None]                                      # (B, N, N)
+        fresh = ~same.any(-1)                                                          # (B, N)
+    path = _new_path(B, num_steps, dev)
+    cur = torch.zeros(B, dtype=torch.int64, device=dev)                                # (B,)
+    alive = torch.ones(B, dtype=torch.bool, device=dev)                                # (B,)
+    r_end = target_p[:, 0].clone()                                    # residual at the stop, (B, V)
+    for d in range(num_steps):
+        p = _row(target_p, cur)                                                        # (B, V)
+        if sampled:
+            c = tree.first_child.gather(1, cur[:, None]).squeeze(1)                    # (B,)
+            has = c >= 0
+            cc = c.clamp(min=0)
+            x = tree.tokens.gather(1, cc[:, None])                                     # (B, 1)
+            q = _row(tree.draft_probs, cc)                                             # (B, V)
+            px, qx = p.gather(1, x).squeeze(1), q.gather(1, x).squeeze(1)              # (B,)
+            u = coins.gather(1, cc[:, None]).squeeze(1)                                # (B,)
+            ok = has & (u * qx < px)                 # u < min(1, p(x)/q(x)), u in [0, 1)
+            nxt = torch.where(ok, c, N)
+            # rejected: r = max(p - q, 0); a leaf: r = p; zero residual (rounding): r = p
+            r = torch.where(has[:, None], (p - q).clamp(min=0), p)                     # (B, V)
+            r = torch.where(r.sum(-1, keepdim=True) > 0, r, p)
+        else:
+            kid = (tree.parent == cur[:, None]) & fresh                                # (B, N)
+            ptok = p.gather(1, tree.tokens) * kid                  # p(x_j) on children, (B, N)
+            hit = torch.zeros(B, V, device=dev).scatter_add_(1, tree.tokens, kid.float()) > 0
+            r = p.masked_fill(hit, 0.0)                      # r_free: p off children's tokens
+            # remaining mass when child j is tried: sum(r_free) + sum_{k >= j} p(x_k)
+            suffix = ptok.flip(1).cumsum(1).flip(1)                                    # (B, N)
+            rest = r.sum(-1, keepdim=True) + suffix                                    # (B, N)
+            # accept j iff u_j < p(x_j) / rest_j; rest_j <= p(x_j) means no other mass: accept
+            ok = kid & (ptok > 0) & ((coins * rest < ptok) | (rest <= ptok))            # (B, N)
+            nxt = _first(ok)                                                           # (B,)
+            r = torch.where(r.sum(-1, keepdim=True) > 0, r, p)      # zero residual guard
+        stop = alive & (nxt >= N)
+        r_end = torch.where(stop[:, None], r, r_end)
+        alive = alive & ~stop
+        cur = torch.where(alive, nxt, cur)
+        path[:, d + 1] = torch.where(alive, cur, -1)
+    # still walking after num_steps: draw from p at the last node
+    r_end = torch.where(alive[:, None], _row(target_p, cur), r_end)                    # (B, V)
+    accept_len = (path[:, 1:] >= 0).sum(-1)                                            # (B,)
+    return VerifyResult(accept_len=accept_len, path=path, bonus=_race(r_end, expo))

@@ -1,0 +1,164 @@
+"""Organize the draft candidate pool into the verify tree (DESIGN.md "The EAGLE loop", 3-4).
+
+Candidate pool of one request, M = K + (S-1)*K*K entries, step-major:
+  step 0 occupies [0, K);
+  step i >= 1 occupies [K + (i-1)*K*K, K + i*K*K), where pool index K + (i-1)*K*K + t*K + c is
+  the c-th child of branch t of step i-1.
+`cand_scores` are cumulative log-probabilities, so a child never scores higher than its parent,
+and a parent always has a lower pool index than its children.
+
+Hot functions (`organize`, `build_tree`, `chain_tree`) are pure tensor code: no host sync, no
+Python loop over nodes or requests; the only loop is over ceil(log2 N) pointer-doubling rounds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eaglekv.core import DraftTree
+from eaglekv.errors import ConfigError, EaglekvError
+
+
+class TreeError(EaglekvError, ValueError):
+    """A draft tree breaks its invariants (found by `check_tree`, a debugging aid)."""
+
+
+def organize(cand_scores: torch.Tensor, num_draft_tokens: int) -> torch.Tensor:
+    """(B, M) cumulative log-probs -> (B, N-1) int64 pool indices of the best N-1 candidates,
+    sorted ascending by pool index.
+
+    Selected = top N-1 by score, ties to the lower pool index (stable descending sort). This
+    set is ancestor-closed: a parent p of a child c has score(p) >= score(c) and p < c, so p
+    ranks before c in the (score desc, index asc) order; whenever c is chosen, so is p.
+    Requires N - 1 <= M = K + (S-1)*K*K (DESIGN.md "Organize"), else ConfigError.
+    """
+    B, M = cand_scores.shape
+    N = num_draft_tokens
+    if not isinstance(N, int) or N < 1:
+        raise ConfigError(f"num_draft_tokens={N!r} must be an int >= 1")
+    if N - 1 > M:
+        raise ConfigError(f"num_draft_tokens={N} needs N - 1 = {N - 1} candidates but the pool "
+                          f"holds only M = K + (S-1)*K*K = {M}; lower num_draft_tokens or raise "
+                          f"topk / num_steps")
+    # stable: equal scores keep pool order, so ties go to the lower index (the parent)
+    order = torch.sort(cand_scores, dim=-1, descending=True, stable=True).indices  # (B, M)
+    return torch.sort(order[:, :N - 1], dim=-1).values                              # (B, N-1)
+
+
+def _links(parent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, N) parent node indices -> first_child, next_sibling (B, N), -1 where none.
+
+    first_child[p]  = min{ i : parent[i] = p }
+    next_sibling[i] = min{ j > i : parent[j] = parent[i] }   (only for parent[i] >= 0)
+    """
+    B, N = parent.shape
+    idx = torch.arange(N, device=parent.device)
+    none = torch.full((), N, dtype=torch.int64, device=parent.device)
+    # is_child[b, p, i] = parent[b, i] == p
+    is_child = parent[:, None, :] == idx[None, :, None]                                # (B, N, N)
+    first = torch.where(is_child, idx[None, None, :], none).amin(-1)                  # (B, N)
+    # sib[b, i, j] = parent[b, j] == parent[b, i] and j > i and parent[b, i] >= 0
+    sib = (parent[:, None, :] == parent[:, :, None]) & (idx[None, :] > idx[:, None])[None]
+    sib &= (parent >= 0)[:, :, None]                                                   # (B, N, N)
+    nxt = torch.where(sib, idx[None, None, :], none).amin(-1)                         # (B, N)
+    return first.masked_fill(first == N, -1), nxt.masked_fill(nxt == N, -1)
+
+
+def _ancestor_mask(parent: torch.Tensor) -> torch.Tensor:
+    """(B, N) parent node indices -> (B, N, N) bool, mask[b, i, j] = j is i or an ancestor of i.
+
+    Pointer doubling: with up(i) = parent(i) (up(i) = i where parent is -1),
+      M_0 = {i},  J_0 = up;   M_{k+1}(i) = M_k(i) | M_k(J_k(i)),  J_{k+1} = J_k(J_k),
+    so M_k(i) = {up^t(i) : t < 2^k}; ceil(log2 N) rounds reach every ancestor (depth <= N-1).
+    """
+    B, N = parent.shape
+    idx = torch.arange(N, device=parent.device).expand(B, N)                           # (B, N)
+    jump = torch.where(parent >= 0, parent, idx)                                       # (B, N)
+    mask = torch.eye(N, dtype=torch.bool, device=parent.device).expand(B, N, N).clone()
+    for _ in range((N - 1).bit_length()):                                              # 2^k >= N
+        mask = mask | mask.gather(1, jump[:, :, None].expand(B, N, N))  # row J(i): (B, N, N)
+        jump = jump.gather(1, jump)                                                    # (B, N)
+    return mask
+
+
+def build_tree(root_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
+               selected: torch.Tensor, cand_probs: torch.Tensor | None = None) -> DraftTree:
+    """Verify tree from the pool: node 0 = root, node i = pool candidate selected[:, i-1].
+
+    root_tokens (B,), cand_tokens / cand_parents (B, M) int64 (parent pool index, -1 = child of
+    the root), selected (B, N-1) ascending pool indices (from `organize`), cand_probs (B, M, V)
+    optional (topk == 1 sampling).
+
+    Precondition: `selected` is ancestor-closed (every selected candidate's parent is selected
+    or is the root) -- `organize` guarantees it. If it is not, the orphaned node gets
+    parent -1 and depth 0 and is nobody's child, so the acceptance walk never reaches it and
+    the mask never lets another node see it; `check_tree` reports such a tree.
+    """
+    B, N1 = selected.shape
+    N, M = N1 + 1, cand_tokens.shape[1]
+    dev = cand_tokens.device
+    if cand_parents.shape != cand_tokens.shape or root_tokens.shape != (B,):
+        raise ValueError(f"build_tree: cand_tokens {tuple(cand_tokens.shape)}, cand_parents "
+                         f"{tuple(cand_parents.shape)} must be (B, M) and root_tokens "
+                         f"{tuple(root_tokens.shape)} (B,) with B = {B}")
+    tokens = torch.cat([root_tokens[:, None], cand_tokens.gather(1, selected)], 1)    # (B, N)
+
+    # node_of[b, m] = node index of pool candidate m (i for m = selected[b, i-1]), -1 if unused
+    node_of = torch.full((B, M), -1, dtype=torch.int64, device=dev)
+    node_of.scatter_(1, selected, torch.arange(1, N, device=dev).expand(B, N1))        # (B, M)
+    ppool = cand_parents.gather(1, selected)                                           # (B, N-1)
+    # parent node: pool -1 -> root (node 0); otherwise node_of[pool parent] (-1 if orphaned)
+    pnode = torch.where(ppool < 0, torch.zeros_like(ppool),
+                        node_of.gather(1, ppool.clamp(min=0)))                         # (B, N-1)
+    parent = torch.cat([ppool.new_full((B, 1), -1), pnode], 1)                         # (B, N)
+
+    mask = _ancestor_mask(parent)                                                      # (B, N, N)
+    depth = mask.sum(-1) - 1                      # depth(i) = |ancestors(i)| ; (B, N) int64
+    first_child, next_sibling = _links(parent)
+    draft_probs = None
+    if cand_probs is not None:
+        V = cand_probs.shape[-1]
+        rows = cand_probs.gather(1, selected[:, :, None].expand(B, N1, V))            # (B, N-1, V)
+        draft_probs = torch.cat([rows.new_zeros(B, 1, V), rows], 1)                    # (B, N, V)
+    return DraftTree(tokens=tokens, parent=parent, depth=depth, mask=mask,
+                     first_child=first_child, next_sibling=next_sibling,
+                     draft_probs=draft_probs)
+
+
+def chain_tree(root_tokens: torch.Tensor, draft_tokens: torch.Tensor,
+               draft_probs: torch.Tensor | None = None) -> DraftTree:
+    """topk == 1: a chain root -> d_0 -> ... -> d_{S-1}, N = S + 1 nodes.
+
+    root_tokens (B,), draft_tokens (B, S), draft_probs (B, S, V) optional: row s is the q the
+    s-th draft token was sampled from. parent(i) = i - 1, depth(i) = i, mask lower-triangular.
+    """
+    B, S = draft_tokens.shape
+    N, dev = S + 1, draft_tokens.device
+    idx = torch.arange(N, device=dev)
+    tokens = torch.cat([root_tokens[:, None], draft_tokens], 1)                        # (B, N)
+    parent = (idx - 1).expand(B, N).clone()                                            # (B, N)
+    depth = idx.expand(B, N).clone()                                                   # (B, N)
+    mask = (idx[None, :] <= idx[:, None]).expand(B, N, N).clone()                      # (B, N, N)
+    first_child = torch.where(idx < S, idx + 1, -1).expand(B, N).clone()               # (B, N)
+    next_sibling = torch.full((B, N), -1, dtype=torch.int64, device=dev)
+    probs = None
+    if draft_probs is not None:
+        probs = torch.cat([draft_probs.new_zeros(B, 1, draft_probs.shape[-1]), draft_probs], 1)
+    return DraftTree(tokens=tokens, parent=parent, depth=depth, mask=mask,
+                     first_child=first_child, next_sibling=next_sibling, draft_probs=probs)
+
+
+def check_tree(tree: DraftTree) -> None:
+    """Debugging aid (syncs with the host): raise TreeError unless every node i >= 1 has a
+    parent in [0, i). Catches a `build_tree` call on a selection that is not ancestor-closed."""
+    N = tree.num_nodes
+    idx = torch.arange(N, device=tree.parent.device)
+    bad = (tree.parent[:, 1:] < 0) | (tree.parent[:, 1:] >= idx[None, 1:])             # (B, N-1)
+    if tree.parent.shape[1] and bool((tree.parent[:, 0] != -1).any()):
+        raise TreeError("draft tree root (node 0) must have parent -1")
+    if bool(bad.any()):
+        b, i = (int(x) for x in bad.nonzero()[0])
+        raise TreeError(f"draft tree node {i + 1} of request {b} has parent "
+                        f"{int(tree.parent[b, i + 1])}, not in [0, {i + 1}): the selection "
+                        f"passed to build_tree is not ancestor-closed "
+                        f"({int(bad.sum())} bad nodes)")

@@ -1,0 +1,186 @@
+"""organize + build_tree equal a naive pure-Python reference written from the definitions, on
+random EAGLE candidate pools (ties in scores included); chain_tree equals build_tree for K=1."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from eaglekv.errors import ConfigError
+from eaglekv.spec.tree import TreeError, build_tree, chain_tree, check_tree, organize
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+V = 40
+
+
+def random_pool(rng: random.Random, B: int, K: int, S: int, coarse: bool = True):
+    """Candidate pools laid out as the drafter writes them (step-major, see spec/tree.py).
+
+    Child log-probs on a coarse grid (many exact ties, 0.0 = a child tying its parent) when
+    `coarse`; siblings carry distinct tokens; step i's K branches are the best K of step i-1.
+    Returns python lists tokens, scores, parents (B x M) and roots (B)."""
+    M = K + (S - 1) * K * K
+    toks, scores, parents = [], [], []
+    for _ in range(B):
+        tok, sc, par = [0] * M, [0.0] * M, [-1] * M
+
+        def children(base, parent_idx, parent_score):
+            lp = sorted(((-0.5 * rng.randint(0, 3)) if coarse else -rng.random() * 3
+                         for _ in range(K)), reverse=True)
+            for c, (t, l) in enumerate(zip(rng.sample(range(V), K), lp)):
+                tok[base + c], sc[base + c], par[base + c] = t, parent_score + l, parent_idx
+
+        children(0, -1, 0.0)
+        branches = list(range(K))
+        for i in range(1, S):
+            base = K + (i - 1) * K * K
+            for t, b in enumerate(branches):
+                children(base + t * K, b, sc[b])
+            step = range(base, base + K * K)
+            branches = sorted(step, key=lambda m: (-sc[m], m))[:K]
+        toks.append(tok)
+        scores.append(sc)
+        parents.append(par)
+    roots = [rng.randrange(V) for _ in range(B)]
+    return toks, scores, parents, roots
+
+
+def naive_select(scores: list[float], n1: int) -> list[int]:
+    """Top n1 pool indices by score, ties to the lower index, sorted ascending."""
+    return sorted(sorted(range(len(scores)), key=lambda m: (-scores[m], m))[:n1])
+
+
+def naive_tree(root: int, tokens: list[int], parents: list[int], sel: list[int]):
+    """The tree from the definitions; an orphan (parent not selected) gets parent -1 and is a
+    root of its own (build_tree's documented behaviour)."""
+    N = len(sel) + 1
+    node_of = {m: i + 1 for i, m in enumerate(sel)}
+    tok = [root] + [tokens[m] for m in sel]
+    par = [-1] + [0 if parents[m] < 0 else node_of.get(parents[m], -1) for m in sel]
+    mask = [[False] * N for _ in range(N)]
+    depth = [0] * N
+    for i in range(N):
+        j = i
+        while j >= 0:
+            mask[i][j] = True
+            j = par[j]
+        depth[i] = sum(mask[i]) - 1
+    kids = [[i for i in range(N) if par[i] == p] for p in range(N)]
+    first = [k[0] if k else -1 for k in kids]
+    nxt = [-1] * N
+    for k in kids:
+        for a, b in zip(k, k[1:]):
+            nxt[a] = b
+    return dict(tokens=tok, parent=par, depth=depth, mask=mask, first_child=first,
+                next_sibling=nxt)
+
+
+def assert_tree_equals(tree, refs):
+    for name in ("tokens", "parent", "depth", "mask", "first_child", "next_sibling"):
+        got = getattr(tree, name).cpu().tolist()
+        assert got == [r[name] for r in refs], name
+
+
+def ancestor_closed(parents: list[int], sel: list[int]) -> bool:
+    s = set(sel)
+    return all(parents[m] < 0 or parents[m] in s for m in sel)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(12))
+def test_organize_build_tree_equal_naive(device, seed):
+    rng = random.Random(seed)
+    for _ in range(10):
+        K, S, B = rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 3, 5]), rng.choice([1, 3])
+        M = K + (S - 1) * K * K
+        toks, scores, parents, roots = random_pool(rng, B, K, S, coarse=rng.random() < 0.7)
+        for N in sorted({1, 2, M + 1, rng.randint(1, M + 1)}):
+            t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+            sel = organize(t(scores, torch.float32), N)
+            assert sel.shape == (B, N - 1) and sel.dtype == torch.int64
+            ref_sel = [naive_select(s, N - 1) for s in scores]
+            assert sel.cpu().tolist() == ref_sel
+            assert all(ancestor_closed(p, s) for p, s in zip(parents, ref_sel))
+            tree = build_tree(t(roots), t(toks), t(parents), sel)
+            assert_tree_equals(tree, [naive_tree(r, tk, p, s)
+                                      for r, tk, p, s in zip(roots, toks, parents, ref_sel)])
+            assert tree.draft_probs is None and tree.num_nodes == N
+            check_tree(tree)
+            # depth never decreases with the node index; depth <= S
+            d = tree.depth
+            assert bool((d[:, 1:] >= d[:, :-1]).all()) and int(d.max()) <= S
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_selection_not_ancestor_closed_is_detectable(device):
+    """A hand-made selection missing parents: build_tree follows its documented contract (the
+    orphan is a root of its own, nobody's child) and check_tree raises."""
+    rng = random.Random(7)
+    K, S, B = 2, 3, 3
+    toks, scores, parents, roots = random_pool(rng, B, K, S)
+    M = K + (S - 1) * K * K
+    # row 0: pool K + K*K is a step-2 candidate whose step-1 parent is left out; others random
+    sels = [[0, 1, K + K * K]] + [sorted(rng.sample(range(M), 3)) for _ in range(B - 1)]
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    tree = build_tree(t(roots), t(toks), t(parents), t(sels))
+    refs = [naive_tree(r, tk, p, s) for r, tk, p, s in zip(roots, toks, parents, sels)]
+    assert_tree_equals(tree, refs)
+    assert tree.parent[0, 3] == -1 and tree.depth[0, 3] == 0
+    assert not bool(tree.mask[0, :3, 3].any())   # no other node sees the orphan
+    with pytest.raises(TreeError, match="node 3 of request 0"):
+        check_tree(tree)
+
+
+def test_organize_rejects_too_many_draft_tokens():
+    scores = torch.zeros(2, 2 + 2 * 4)                 # K=2, S=3: M = K + (S-1)K^2 = 10
+    assert organize(scores, 11).shape == (2, 10)
+    with pytest.raises(ConfigError, match="num_draft_tokens=12"):
+        organize(scores, 12)
+
+
+def test_organize_ties_go_to_the_lower_index():
+    scores = torch.tensor([[0.0, -1.0, -1.0, -1.0, -1.0, -2.0]])
+    assert organize(scores, 4).tolist() == [[0, 1, 2]]
+    scores = torch.tensor([[-1.0, -1.0, 0.0, -1.0]])
+    assert organize(scores, 3).tolist() == [[0, 2]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("S", [1, 2, 5])
+def test_chain_tree_equals_build_tree_for_k1(device, S):
+    g = torch.Generator().manual_seed(S)
+    B, Vq = 3, 11
+    roots = torch.randint(0, Vq, (B,), generator=g).to(device)
+    draft = torch.randint(0, Vq, (B, S), generator=g).to(device)
+    q = torch.rand(B, S, Vq, generator=g).to(device)
+    # K = 1 pool: M = S, candidate s is the child of s - 1, scores strictly decreasing
+    scores = -torch.arange(S, dtype=torch.float32).expand(B, S) - torch.rand(B, 1, generator=g)
+    scores = scores.to(device)                                                     # (B, S)
+    parents = (torch.arange(S, device=device) - 1).expand(B, S)
+    sel = organize(scores, S + 1)
+    assert sel.tolist() == [list(range(S))] * B
+    a = build_tree(roots, draft, parents, sel, cand_probs=q)
+    b = chain_tree(roots, draft, draft_probs=q)
+    for name in ("tokens", "parent", "depth", "mask", "first_child", "next_sibling", "draft_probs"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.equal(b.draft_probs[:, 0], torch.zeros(B, Vq, device=device))
+    assert torch.equal(b.draft_probs[:, 1:], q)
+    check_tree(b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_build_tree_gathers_draft_probs(device):
+    rng = random.Random(3)
+    K, S, B = 3, 3, 2
+    toks, scores, parents, roots = random_pool(rng, B, K, S)
+    M = K + (S - 1) * K * K
+    probs = torch.rand(B, M, 5, device=device)
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    sel = organize(torch.tensor(scores, device=device), 8)
+    tree = build_tree(t(roots), t(toks), t(parents), sel, cand_probs=probs)
+    assert tree.draft_probs.shape == (B, 8, 5)
+    assert torch.equal(tree.draft_probs[:, 0], torch.zeros(B, 5, device=device))
+    for b in range(B):
+        assert torch.equal(tree.draft_probs[b, 1:], probs[b, sel[b]])
