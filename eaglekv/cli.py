@@ -7,7 +7,7 @@ import shlex
 import sys
 import time
 
-from eaglekv.config import EngineConfig, SamplingParams
+from eaglekv.config import SPEC_ALGORITHMS, EngineConfig, SamplingParams, SpecConfig
 from eaglekv.errors import EaglekvError
 
 
@@ -20,6 +20,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=d.page_size)
     p.add_argument("--max-total-tokens", type=int, default=4096,
                    help="KV pool slots (default 4096 for the CLI)")
+    sp = SpecConfig()
+    p.add_argument("--spec", default=sp.algorithm, choices=SPEC_ALGORITHMS,
+                   help="speculative decoding algorithm")
+    p.add_argument("--draft", default=sp.draft_model,
+                   help="draft checkpoint directory (EAGLE layout), or 'random'")
+    p.add_argument("--num-steps", type=int, default=sp.num_steps)
+    p.add_argument("--topk", type=int, default=sp.topk)
+    p.add_argument("--num-draft-tokens", type=int, default=sp.num_draft_tokens)
+
+
+def spec_from_args(args) -> SpecConfig:
+    return SpecConfig(algorithm=args.spec, draft_model=args.draft, num_steps=args.num_steps,
+                      topk=args.topk, num_draft_tokens=args.num_draft_tokens)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +63,7 @@ def cmd_generate(args) -> None:
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                  page_size=args.page_size, max_total_tokens=args.max_total_tokens,
-                                 max_running_requests=1))
+                                 max_running_requests=1, speculative=spec_from_args(args)))
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -70,7 +83,11 @@ def cmd_generate(args) -> None:
         print(out.text)
         n, reason = len(out.token_ids), out.finish_reason
     dt = time.perf_counter() - t0
-    spec = "accept length n/a (plain decoding: no draft model configured)"
+    st = engine.spec_stats()
+    spec = ("accept length n/a (plain decoding: no draft model configured)" if st is None else
+            f"accept length {st.accept_length_mean:.2f} over {st.verify_steps} verify steps "
+            f"({args.spec}, steps={args.num_steps}, topk={args.topk}, "
+            f"draft tokens={args.num_draft_tokens})")
     print(f"[eaglekv] {n} tokens in {dt:.2f}s = {n / dt:.1f} tokens/s, finish_reason={reason}, "
           f"{spec}", file=sys.stderr)
 

@@ -45,7 +45,8 @@ def tiny_hf(tiny_dir):
 def tiny_engine(tiny_dir, **options):
     from eaglekv import Engine, EngineConfig
     options.setdefault("max_total_tokens", 2048)
-    return Engine(EngineConfig(model=str(tiny_dir), **options))
+    drafter = options.pop("drafter", None)
+    return Engine(EngineConfig(model=str(tiny_dir), **options), drafter=drafter)
 
 
 @pytest.fixture(scope="session")

@@ -49,32 +49,57 @@ def time_hf(hf, ids: list[int], n: int, device: str) -> float:
     return n / dt
 
 
-def time_eaglekv(engine: Engine, ids: list[int], n: int, device: str) -> float:
+def time_eaglekv(engine: Engine, ids: list[int], n: int, device: str) -> tuple[float, list[int]]:
     _sync(device)
     t = time.perf_counter()
     out = engine.generate([ids], SamplingParams(max_new_tokens=n, ignore_eos=True))[0]
     _sync(device)
     dt = time.perf_counter() - t
     assert len(out.token_ids) == n
-    return n / dt
+    return n / dt, out.token_ids
+
+
+def spec_summary(engine: Engine) -> dict:
+    """Accept length and the per-verify-step split of the speculative engine's time."""
+    st, w = engine.spec_stats(), engine.worker
+    steps = max(st.verify_steps, 1)
+    return {"algorithm": engine.config.speculative.algorithm,
+            "draft_model": engine.config.speculative.draft_model,
+            "num_steps": w.S, "topk": w.K, "num_draft_tokens": w.N,
+            "accept_length_mean": st.accept_length_mean,
+            "accept_histogram": dict(sorted(st.accept_histogram.items())),
+            "ms_per_verify_step": {k: 1e3 * v / steps for k, v in w.timings.items()}}
 
 
 def run_bench(model: str = "default", dtype: str = "float32", device: str = "cpu",
               new_tokens: int = 128, repeats: int = 3, prompt: str = DEFAULT_PROMPT,
-              with_hf: bool = True) -> dict:
+              with_hf: bool = True, spec=None) -> dict:
     cfg = EngineConfig(model=model, dtype=dtype, device=device, max_running_requests=1,
                        max_total_tokens=4096)
     engine = Engine(cfg)
     ids = engine.encode(prompt)
+    spec_engine = None
+    if spec is not None and spec.enabled:
+        spec_engine = Engine(EngineConfig(**{**cfg.__dict__, "speculative": spec}))
     hf = load_hf(model, cfg.torch_dtype, device) if with_hf else None
     time_eaglekv(engine, ids, 8, device)  # warm-up
+    if spec_engine is not None:
+        time_eaglekv(spec_engine, ids, 8, device)
     if hf is not None:
         time_hf(hf, ids, 8, device)
-    rows: dict[str, list[float]] = {"eaglekv": [], "hf_transformers": []}
+    rows: dict[str, list[float]] = {"eaglekv": [], "eaglekv_spec": [], "hf_transformers": []}
+    identical = True
     for _ in range(repeats):
         if hf is not None:
             rows["hf_transformers"].append(time_hf(hf, ids, new_tokens, device))
-        rows["eaglekv"].append(time_eaglekv(engine, ids, new_tokens, device))
+        tps, plain_ids = time_eaglekv(engine, ids, new_tokens, device)
+        rows["eaglekv"].append(tps)
+        if spec_engine is not None:
+            if spec_engine.worker.stats.verify_steps:  # count the timed runs only
+                spec_engine.worker.reset_stats()
+            tps, spec_ids = time_eaglekv(spec_engine, ids, new_tokens, device)
+            rows["eaglekv_spec"].append(tps)
+            identical &= spec_ids == plain_ids
     result = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {platform.processor() or ''} "
@@ -85,15 +110,20 @@ def run_bench(model: str = "default", dtype: str = "float32", device: str = "cpu
         "tokens_per_s": {k: statistics.median(v) for k, v in rows.items() if v},
         "runs": {k: v for k, v in rows.items() if v},
     }
+    tps = result["tokens_per_s"]
     if hf is not None:
-        tps = result["tokens_per_s"]
         result["speedup_vs_hf"] = tps["eaglekv"] / tps["hf_transformers"]
+    if spec_engine is not None:
+        result["speculative"] = spec_summary(spec_engine)
+        result["speculative"]["greedy_tokens_identical_to_plain"] = identical
+        result["speedup_spec_vs_plain"] = tps["eaglekv_spec"] / tps["eaglekv"]
     return result
 
 
 def main(args) -> None:
+    from eaglekv.cli import spec_from_args
     result = run_bench(args.model, args.dtype, args.device, args.new_tokens, args.repeats,
-                       with_hf=not args.no_hf)
+                       with_hf=not args.no_hf, spec=spec_from_args(args))
     result["command"] = args.command_line
     text = json.dumps(result, indent=2)
     print(text)

@@ -25,6 +25,7 @@ from eaglekv.errors import ConfigError, KVIndexError, OutOfKVMemoryError, Reques
 from eaglekv.memory import KVPool, ReqToTokenPool, SlotAllocator
 from eaglekv.model import LlamaForCausalLM
 from eaglekv.model.loader import load_checkpoint
+from eaglekv.spec.slots import kv_indices_width
 from eaglekv.spec.factory import build_worker, draft_bytes_per_slot, extra_columns, load_draft
 
 Prompt = str | Sequence[int]
@@ -47,6 +48,8 @@ class Engine:
         spec = cfg.speculative
         if drafter is not None and not spec.enabled:
             raise ConfigError("a drafter was passed but speculative.algorithm is 'none'")
+        if spec.enabled:  # guard 2 before anything is allocated
+            kv_indices_width(spec, cfg.max_running_requests, self.max_context_len)
         # verify positions reach L + num_steps, past the last committed one
         self.model = LlamaForCausalLM(mc, ckpt.state_dict, cfg.torch_dtype, self.device,
                                       max_positions=self.max_context_len

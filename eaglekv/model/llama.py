@@ -46,7 +46,7 @@ class DecoderLayer:
 
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor]):
         self.cfg = cfg
-        self.input_norm = w["input_layernorm.weight"]
+        self.input_norm = w.get("input_layernorm.weight")  # None: no input norm (EAGLE layer 0)
         self.post_norm = w["post_attention_layernorm.weight"]
         H, Hkv = cfg.num_heads, cfg.num_kv_heads
         # q/k rows go to the interleaved RoPE layout (see rope.py); v stays as it is
@@ -67,7 +67,8 @@ class DecoderLayer:
     def forward(self, x, residual, rot, backend, meta, layer_id):
         cfg = self.cfg
         residual = x if residual is None else residual + x
-        h = rms_norm(residual, self.input_norm, cfg.rms_norm_eps)
+        h = residual if self.input_norm is None else rms_norm(residual, self.input_norm,
+                                                              cfg.rms_norm_eps)
         T, H, Hkv, D = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = linear(h, self.qkv, self.qkv_bias).view(T, H + 2 * Hkv, D)  # (T, H+2Hkv, D)
         qk, v = qkv[:, :H + Hkv], qkv[:, H + Hkv:]                       # (T, H+Hkv, D), (T, Hkv, D)

@@ -22,37 +22,12 @@ checkpoint's `embed_tokens.weight` is checked for shape and dropped unless
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from eaglekv.errors import ModelLoadError
-from eaglekv.model.llama import DecoderLayer, LlamaForCausalLM, ModelOutput, linear, rms_norm, t
+from eaglekv.model.llama import DecoderLayer, LlamaForCausalLM, ModelOutput, linear, t
 from eaglekv.model.rope import RotaryEmbedding
 from eaglekv.spec.draft_loader import (LAYER, EagleDraftConfig, check_against_target,
                                        check_eagle_state_dict)
-
-
-class EagleDecoderLayer(DecoderLayer):
-    """A Llama DecoderLayer whose input_layernorm may be absent (EAGLE's layer 0)."""
-
-    def __init__(self, cfg, w: dict[str, torch.Tensor]):
-        # DecoderLayer reads the key unconditionally; None marks "no input norm"
-        super().__init__(cfg, {"input_layernorm.weight": None, **w})
-
-    def forward(self, x, residual, rot, backend, meta, layer_id):
-        if self.input_norm is not None:
-            return super().forward(x, residual, rot, backend, meta, layer_id)
-        # DecoderLayer.forward with h = residual instead of input_norm(residual)
-        cfg = self.cfg
-        residual = x if residual is None else residual + x
-        T, H, Hkv, D = residual.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = linear(residual, self.qkv, self.qkv_bias).view(T, H + 2 * Hkv, D)  # (T, H+2Hkv, D)
-        qk = RotaryEmbedding.apply(qkv[:, :H + Hkv], rot)                        # (T, H+Hkv, D)
-        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
-        attn = backend.forward(q, k, v, layer_id, meta, D ** -0.5)                # (T, H, D)
-        residual = residual + linear(attn.reshape(T, cfg.q_size), self.o)
-        h = rms_norm(residual, self.post_norm, cfg.rms_norm_eps)
-        gate, up = linear(h, self.gate_up).chunk(2, -1)                           # (T, I) each
-        return linear(F.silu(gate) * up, self.down), residual
 
 
 class EagleDraftModel:
@@ -71,7 +46,7 @@ class EagleDraftModel:
         sd = {n: w.to(device=device, dtype=dtype) for n, w in sd.items()}
         self.fc = t(sd["fc.weight"])                                   # (2H, H)
         self.fc_bias = sd.get("fc.bias") if cfg.fc_bias else None     # (H,)
-        self.layer = EagleDecoderLayer(cfg.layer_config(), {
+        self.layer = DecoderLayer(cfg.layer_config(), {
             n[len(LAYER):]: w for n, w in sd.items() if n.startswith(LAYER)})
         self.embed = sd["embed_tokens.weight"] if use_own_embed else None  # (V, H)
         # (H, V), shared with the target (a copy only when dtype or device differ)

@@ -32,6 +32,9 @@ class EagleWorker:
         self.target = engine.model
         self.loop = DraftLoop(drafter, self.S, self.K)
         self.slots = DraftSlots(engine, drafter, spec)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
         self.stats = SpecStats(accept_histogram={})
         self.timings = {"draft": 0.0, "verify": 0.0, "accept": 0.0, "extend": 0.0}
 

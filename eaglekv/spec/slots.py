@@ -18,6 +18,13 @@ from eaglekv.spec.spec_utils import (assign_draft_cache_locs, draft_kv_indices_b
                                      generate_draft_decode_kv_indices)
 
 
+def kv_indices_width(spec, max_running_requests: int, max_context_len: int) -> int:
+    """Guard 2, evaluated for the largest batch the config allows: every request at the
+    longest context its draft can reach (max_context_len + num_steps)."""
+    return draft_kv_indices_buffer_width(max_running_requests, spec.topk,
+                                         max_context_len + spec.num_steps)
+
+
 class DraftBatch:
     """The draft slots of one step and the per-step attention metadata over them."""
 
@@ -42,8 +49,7 @@ class DraftSlots:
         self.S, self.K, self.N = spec.num_steps, spec.topk, spec.num_draft_tokens
         self.ps = engine.config.page_size
         R = engine.config.max_running_requests
-        # guard 2, evaluated for the largest batch the config allows
-        width = draft_kv_indices_buffer_width(R, self.K, engine.max_context_len + self.S)
+        width = kv_indices_width(spec, R, engine.max_context_len)
         dev = engine.device
         self.kv_indices = torch.zeros(self.S, width, dtype=torch.int32, device=dev)
         self.kv_indptr = torch.zeros(self.S, R * self.K + 1, dtype=torch.int32, device=dev)
@@ -95,6 +101,10 @@ class DraftSlots:
         r2t = eng.req_to_token.req_to_token
         assign_draft_cache_locs(r2t, rows, seq_lens, slots_dev.reshape(-1), K, S, ps,
                                 None if copy_locs is None else copy_locs.to(dev))
+        # every slot the draft will read is checked here, before any K/V is written
+        generate_draft_decode_kv_indices(r2t, rows, seq_lens, K, S, ps, self.kv_indices,
+                                         self.kv_indptr, eng.kv_pool.size_limit,
+                                         seq_lens_sum=sum(r.kv_len for r in reqs))
         pool = self.drafter.kv_pool
         if copy_src and pool is not None:
             # branches t >= 1 start with a copy of the prefix's partial last page
@@ -105,8 +115,6 @@ class DraftSlots:
                     dst.append(copy_locs[b, t, :last].to(dev))
                     src.append(prefix_slots)
             pool.move_kv(torch.cat(dst), torch.cat(src))
-        generate_draft_decode_kv_indices(r2t, rows, seq_lens, K, S, ps, self.kv_indices,
-                                         self.kv_indptr, eng.kv_pool.size_limit)
         return DraftBatch(self, slots_dev, owned)
 
     def release_draft(self, d: DraftBatch) -> None:

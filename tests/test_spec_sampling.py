@@ -1,0 +1,146 @@
+"""Speculative sampling keeps the target distribution: the joint law of the first three output
+tokens under speculation equals the exact one computed from the target model (chi-square),
+for topk == 1 (speculative sampling with the draft's q) and topk > 1 (multi-candidate
+rejection over a tree). The draft is the target with noise added to its logits, so that both
+acceptance and rejection happen often."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import tiny_engine
+from eaglekv import SamplingParams
+from eaglekv.attention import TorchAttentionBackend
+from eaglekv.core import ForwardBatch
+from eaglekv.engine.sampler import target_probs
+from eaglekv.memory import KVPool, ReqToTokenPool
+from eaglekv.spec.drafter import Drafter, DraftOut
+
+PROMPT = [5, 17, 42, 9]
+PARAMS = SamplingParams(max_new_tokens=3, temperature=1.3, top_k=3, ignore_eos=True)
+N_SAMPLES = 3000
+
+
+def last_logits(model, contexts: list[list[int]]) -> torch.Tensor:
+    """(n, V) the model's logits after each context, from a fresh prefill on a scratch pool."""
+    cfg = model.cfg
+    total = sum(len(c) for c in contexts)
+    pool = KVPool(total + 1, 1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    r2t = ReqToTokenPool(len(contexts), max(len(c) for c in contexts))
+    slots, start = [], 1
+    for i, c in enumerate(contexts):
+        s = torch.arange(start, start + len(c))
+        r2t.req_to_token[i + 1, :len(c)] = s.to(torch.int32)
+        slots.append(s)
+        start += len(c)
+    batch = ForwardBatch.build(contexts, [0] * len(contexts), list(range(1, len(contexts) + 1)),
+                               torch.cat(slots))
+    out = model.forward(batch, TorchAttentionBackend(pool, r2t),
+                        logits_indices=batch.last_token_indices)
+    return out.logits
+
+
+class NoisySelfDrafter(Drafter):
+    """Drafts with the target's own logits plus Gaussian noise (q close to p, not equal)."""
+
+    needs_contexts = True
+
+    def __init__(self, model, noise: float = 1.0):
+        self.model, self.noise = model, noise
+        self.g = torch.Generator().manual_seed(1234)
+
+    def _out(self, contexts):
+        logits = last_logits(self.model, contexts)
+        return DraftOut(logits + self.noise * torch.randn(logits.shape, generator=self.g))
+
+    def extend(self, batch, hidden, contexts=None):
+        return self._out(contexts)
+
+    def decode(self, tokens, positions, hidden, meta, contexts=None):
+        return self._out(contexts)
+
+
+def exact_joint(model) -> dict[tuple[int, ...], float]:
+    """P(o0, o1, o2) under PARAMS, by enumerating the top-k supports."""
+    probs = {}
+    frontier = {(): 1.0}
+    for _ in range(3):
+        ctxs = list(frontier)
+        p = target_probs(last_logits(model, [PROMPT + list(c) for c in ctxs]), PARAMS)
+        nxt = {}
+        for c, row in zip(ctxs, p):
+            for tok in row.nonzero().view(-1).tolist():
+                nxt[c + (tok,)] = frontier[c] * float(row[tok])
+        frontier = nxt
+    probs.update(frontier)
+    return probs
+
+
+def chi_square(samples: list[tuple[int, ...]], probs: dict) -> tuple[float, int]:
+    """Pearson statistic over the sequences (rare ones pooled), and its degrees of freedom."""
+    n = len(samples)
+    counts = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    assert set(counts) <= set(probs), "a sequence outside the target's support was sampled"
+    bins, pooled_e, pooled_o = [], 0.0, 0
+    for seq, p in probs.items():
+        if n * p >= 5:
+            bins.append((counts.get(seq, 0), n * p))
+        else:
+            pooled_e += n * p
+            pooled_o += counts.get(seq, 0)
+    if pooled_e > 0:
+        bins.append((pooled_o, pooled_e))
+    stat = sum((o - e) ** 2 / e for o, e in bins)
+    return stat, len(bins) - 1
+
+
+CHI2_999 = {k: k + 3.3 * (2 * k) ** 0.5 + 4 for k in range(1, 80)}  # generous p ~ 1e-3 bound
+
+
+def run(eng, n=N_SAMPLES):
+    outs = eng.generate([PROMPT] * n, PARAMS)
+    eng.check_memory()
+    assert eng.allocator.is_full()
+    return [tuple(o.token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def joint(tiny_dir):
+    eng = tiny_engine(tiny_dir)
+    probs = exact_joint(eng.model)
+    assert abs(sum(probs.values()) - 1) < 1e-4
+    return probs
+
+
+def test_plain_sampling_matches_exact_joint(tiny_dir, joint):
+    stat, dof = chi_square(run(tiny_engine(tiny_dir, max_running_requests=64, seed=1)), joint)
+    assert stat < CHI2_999[dof], (stat, dof)
+
+
+@pytest.mark.parametrize("S,K,N", [(2, 1, 3), (2, 2, 4), (2, 3, 6)])
+def test_speculative_sampling_matches_exact_joint(tiny_dir, joint, S, K, N):
+    base = tiny_engine(tiny_dir)
+    eng = tiny_engine(tiny_dir, max_running_requests=64, seed=2,
+                      speculative=dict(algorithm="eagle", draft_model="scripted", num_steps=S,
+                                       topk=K, num_draft_tokens=N),
+                      drafter=NoisySelfDrafter(base.model))
+    samples = run(eng)
+    stat, dof = chi_square(samples, joint)
+    assert stat < CHI2_999[dof], (stat, dof)
+    st = eng.spec_stats()
+    # the test must exercise both outcomes: some drafts accepted, some rejected
+    assert 0 < st.accepted_tokens < st.verify_steps * S
+
+
+def test_statistic_detects_a_wrong_distribution(tiny_dir, joint):
+    """The same test rejects samples from a different temperature (it can fail)."""
+    eng = tiny_engine(tiny_dir, max_running_requests=64, seed=3)
+    wrong = SamplingParams(max_new_tokens=3, temperature=0.9, top_k=3, ignore_eos=True)
+    samples = [tuple(o.token_ids) for o in eng.generate([PROMPT] * N_SAMPLES, wrong)]
+    stat, dof = chi_square(samples, joint)
+    assert stat > CHI2_999[dof], (stat, dof)
