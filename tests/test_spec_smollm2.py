@@ -1,0 +1,33 @@
+"""EAGLE on the default SmolLM2 model (CPU, fp32): speculative greedy output is token-identical
+to plain greedy, with a random draft head (topk 1 chain and a topk 2 tree, page sizes 1 and
+16) and, when it ships, the trained default draft."""
+
+from __future__ import annotations
+
+import pytest
+
+from eaglekv import Engine, EngineConfig, SamplingParams
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def plain(smol_engine):
+    ids = [smol_engine.encode(p) for p in PROMPTS]
+    outs = smol_engine.generate(ids, SamplingParams(max_new_tokens=32, ignore_eos=True))
+    return ids, [o.token_ids for o in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("S,K,N,ps", [(3, 1, 4, 1), (2, 2, 4, 16)])
+def test_smollm2_spec_greedy_equals_plain(plain, S, K, N, ps):
+    ids, ref = plain
+    eng = Engine(EngineConfig(model="default", max_total_tokens=1024, max_running_requests=2,
+                              page_size=ps, speculative=dict(
+                                  algorithm="eagle", draft_model="random", num_steps=S, topk=K,
+                                  num_draft_tokens=N)))
+    outs = eng.generate(ids, SamplingParams(max_new_tokens=32, ignore_eos=True))
+    assert [o.token_ids for o in outs] == ref
+    assert all(o.spec.verify_steps > 0 for o in outs)
+    eng.check_memory()
+    assert eng.allocator.is_full()
