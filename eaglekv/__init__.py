@@ -1,10 +1,10 @@
 """eaglekv: EAGLE-family speculative decoding on a guarded paged KV cache."""
 
-from eaglekv.config import EngineConfig, SamplingParams
+from eaglekv.config import EngineConfig, SamplingParams, SpecConfig
 from eaglekv.core import Output, SpecStats, StreamDelta
 from eaglekv.engine import Engine
 from eaglekv.errors import ConfigError, KVIndexError, ModelLoadError, RequestError
 
 __all__ = ["ConfigError", "Engine", "EngineConfig", "KVIndexError", "ModelLoadError", "Output",
-           "RequestError", "SamplingParams", "SpecStats", "StreamDelta"]
+           "RequestError", "SamplingParams", "SpecConfig", "SpecStats", "StreamDelta"]
 __version__ = "0.1.0"
