@@ -1,0 +1,62 @@
+"""The EAGLE worker on the GPU: speculative greedy equals plain greedy (the Triton draft
+kv-indices kernels, the tree verify and the commit moves on CUDA), and a corrupted slot read
+by the draft fails only its batch, through the deferred device error buffer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_engine
+from eaglekv import KVIndexError, SamplingParams
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 47))]
+
+
+def spec(S, K, N):
+    return dict(algorithm="eagle", draft_model="random", num_steps=S, topk=K, num_draft_tokens=N)
+
+
+@pytest.mark.parametrize("S,K,N,ps", [(3, 1, 4, 1), (3, 2, 6, 16), (5, 4, 12, 4)])
+def test_gpu_spec_greedy_equals_plain(tiny_dir, S, K, N, ps):
+    sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    plain = [o.token_ids for o in tiny_engine(tiny_dir, device="cuda").generate(PROMPTS, sp)]
+    eng = tiny_engine(tiny_dir, device="cuda", page_size=ps, max_running_requests=4,
+                      speculative=spec(S, K, N))
+    assert [o.token_ids for o in eng.generate(PROMPTS, sp)] == plain
+    eng.check_memory()
+    assert eng.allocator.is_full()
+
+
+def test_gpu_spec_sampling_runs_seeded(tiny_dir):
+    sp = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        eng = tiny_engine(tiny_dir, device="cuda", speculative=spec(3, 1, 4))
+        outs.append([o.token_ids for o in eng.generate(PROMPTS, sp)])
+        eng.check_memory()
+    assert outs[0] == outs[1]
+
+
+def test_gpu_spec_bad_slot_fails_batch_then_serves(tiny_dir):
+    eng = tiny_engine(tiny_dir, device="cuda", page_size=4, max_running_requests=2,
+                      speculative=spec(3, 2, 6))
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ref = eng.generate([PROMPTS[1]], sp)[0].token_ids
+    req = eng.add_request(PROMPTS[0], sp)
+    for _ in range(2):
+        eng.step()
+    bad = eng.kv_pool.size_limit + 3
+    eng.req_to_token.req_to_token[req.row, 1] = bad
+    with pytest.raises(KVIndexError, match=str(bad)):
+        while not req.finished:
+            eng.step()
+    assert req.finish_reason == "error"
+    eng.check_memory()
+    assert eng.allocator.is_full()
+    assert eng.generate([PROMPTS[1]], sp)[0].token_ids == ref
+    eng.check_memory()
+    assert eng.allocator.is_full()
