@@ -82,6 +82,9 @@ class SpecConfig:
             raise ConfigError(f"num_draft_tokens={N}: at most topk + (num_steps - 1) * topk**2 "
                               f"= {K} + {S - 1} * {K * K} = {most} candidates exist, so "
                               f"num_draft_tokens - 1 must be <= {most}")
+        if self.algorithm == "multi_layer_eagle" and K != 1:
+            raise ConfigError(f"multi_layer_eagle drafts one chain (step k uses draft layer k): "
+                              f"topk={K} must be 1")
         if self.enabled and not self.draft_model:
             raise ConfigError(f"speculative algorithm={self.algorithm!r} needs a draft_model "
                               f"(a checkpoint directory, or 'random')")

@@ -102,10 +102,16 @@ class TorchAttentionBackend(AttentionBackend):
         valid = key_pos[None, :] < lens[:, None]                          # (n, Smax)
         flat = kv_indptr[:n, None].to(torch.int64) + key_pos[None, :]     # (n, Smax)
         flat = torch.where(valid, flat, torch.zeros_like(flat))
-        kv_idx = kv_indices.to(torch.int64)[flat]                          # (n, Smax)
+        return self.padded_decode_metadata(kv_indices[flat].to(torch.int64), valid, out_cache_loc)
+
+    def padded_decode_metadata(self, kv_idx: torch.Tensor, valid: torch.Tensor,
+                               out_cache_loc: torch.Tensor) -> TorchAttnMetadata:
+        """One query token per row i, attending to the slots `kv_idx[i, valid[i]]`
+        (kv_idx, valid: (n, Smax)); every slot read is guarded."""
         kv_idx = torch.where(valid, kv_idx, torch.zeros_like(kv_idx))
         kv_idx = guard_indices(kv_idx, self.kv_pool.size_limit, "attention kv gather")
-        ar = torch.arange(n, device=dev)
+        n = kv_idx.shape[0]
+        ar = torch.arange(n, device=kv_idx.device)
         return TorchAttnMetadata(batch=None, kv_idx=kv_idx, tok_b=ar, tok_t=torch.zeros_like(ar),
                                  t_max=1, mask=valid[:, None, None, :], single=n == 1,
                                  out_cache_loc=out_cache_loc)

@@ -64,7 +64,7 @@ class Engine:
                       else None)
         # 3. memory sizing, KV cache, request table
         size = plan_kv_size(cfg, mc, self.max_context_len,
-                            draft_bytes_per_slot(draft_ckpt and draft_ckpt[0], cfg.torch_dtype))
+                            draft_bytes_per_slot(draft_ckpt, cfg.torch_dtype))
         self.req_to_token = ReqToTokenPool(
             cfg.max_running_requests, self.max_context_len,
             extra=extra_columns(spec, cfg.page_size) if spec.enabled else 0, device=self.device)

@@ -37,6 +37,12 @@ class Drafter:
 
     kv_pool: KVPool | None = None
     needs_contexts: bool = False
+    capture_layers: tuple[int, ...] = ()   # target layers whose outputs the draft consumes
+
+    def features(self, out) -> torch.Tensor:
+        """(T, Hf) what the draft pairs with each token: the target's final-norm hidden state
+        (EAGLE-1/2); EAGLE-3 concatenates the captured layers' outputs instead."""
+        return out.hidden
 
     def extend(self, batch: ForwardBatch, hidden: torch.Tensor,
                contexts: list[list[int]] | None) -> DraftOut:
@@ -46,7 +52,7 @@ class Drafter:
                meta, contexts: list[list[int]] | None) -> DraftOut:
         raise NotImplementedError
 
-    def decode_metadata(self, kv_indptr, kv_indices, kv_lens, out_cache_loc):
+    def decode_metadata(self, step, kv_indptr, kv_indices, kv_lens, out_cache_loc):
         return None
 
 
@@ -67,12 +73,34 @@ class EagleDrafter(Drafter):
                                  logits_indices=last)
         return DraftOut(out.logits, out.hidden[last])
 
-    def decode_metadata(self, kv_indptr, kv_indices, kv_lens, out_cache_loc):
+    def decode_metadata(self, step, kv_indptr, kv_indices, kv_lens, out_cache_loc):
         return self.backend.init_decode_metadata(kv_indptr, kv_indices, kv_lens, out_cache_loc)
 
     def decode(self, tokens, positions, hidden, meta, contexts=None) -> DraftOut:
         out = self.model.forward(tokens, positions, hidden, self.backend, meta)
         return DraftOut(out.logits, out.hidden)
+
+
+class Eagle3Drafter(EagleDrafter):
+    """The EAGLE-3 head: fed the concatenated outputs of three target layers (3H, mapped by
+    its fc to H), it predicts over a reduced draft vocabulary; its logits are scattered back
+    into the target vocabulary (-inf elsewhere), so a token outside the draft vocabulary has
+    draft probability 0 and can never be proposed, and acceptance stays exact."""
+
+    def __init__(self, model, size, page_size, req_to_token, dtype, device, num_target_layers):
+        super().__init__(model, size, page_size, req_to_token, dtype, device)
+        self.capture_layers = tuple(model.aux_layers(num_target_layers))
+
+    def features(self, out) -> torch.Tensor:
+        return torch.cat(out.aux_hidden, -1)                              # (T, 3H)
+
+    def extend(self, batch, hidden, contexts=None) -> DraftOut:
+        out = super().extend(batch, hidden, contexts)
+        return DraftOut(self.model.to_target_logits(out.logits), out.hidden)
+
+    def decode(self, tokens, positions, hidden, meta, contexts=None) -> DraftOut:
+        out = super().decode(tokens, positions, hidden, meta, contexts)
+        return DraftOut(self.model.to_target_logits(out.logits), out.hidden)
 
 
 class ScriptedDrafter(Drafter):

@@ -80,7 +80,8 @@ class EagleWorker:
                                    [r.row for r in reqs], torch.cat([p[3] for p in planned]),
                                    eng.device)
         out = self.target.forward(batch, eng.backend, logits_indices=batch.last_token_indices,
-                                  return_hidden=True)
+                                  return_hidden=True, capture_layers=self.drafter.capture_layers)
+        feats = self.drafter.features(out)                                        # (T, Hf)
         tokens = sample_next(out.logits, [r.params for r in reqs],
                              [r.generator for r in reqs])                 # the step's sync
         for r, t in zip(reqs, tokens):
@@ -92,7 +93,7 @@ class EagleWorker:
             cu = [0]
             for ext in batch.extend_lens_cpu:
                 cu.append(cu[-1] + ext)
-            hidden = torch.cat([out.hidden[cu[i]:cu[i + 1]] for i in live])
+            hidden = torch.cat([feats[cu[i]:cu[i + 1]] for i in live])
             self._draft_extend([reqs[i] for i in live], ids, [planned[i][2] for i in live],
                                torch.cat([planned[i][3] for i in live]), hidden)
 
@@ -138,8 +139,10 @@ class EagleWorker:
                              out_cache_loc=vslots.reshape(-1).to(dev),
                              prefix_lens_cpu=tuple(r.kv_len for r in reqs),
                              extend_lens_cpu=(N,) * B, extend_mask=tree.mask)
-        out = self.target.forward(batch, eng.backend, return_hidden=True)
+        out = self.target.forward(batch, eng.backend, return_hidden=True,
+                                  capture_layers=self.drafter.capture_layers)
         logits = out.logits.view(B, N, -1)                                        # (B, N, V)
+        feats = self.drafter.features(out).view(B, N, -1)                         # (B, N, Hf)
         t2 = time.perf_counter()
         # 3. accept
         if all(r.params.greedy for r in reqs) and tree.draft_probs is None:
@@ -158,8 +161,9 @@ class EagleWorker:
         dst = vdev[:, 1:P + 1]
         src = torch.where(path >= 0, vdev.gather(1, path.clamp(min=0)), dst)      # (B, P)
         eng.kv_pool.move_kv(dst, src)
-        hid = out.hidden.view(B, N, -1).gather(
-            1, res.path[:, :P + 1].clamp(min=0)[:, :, None].expand(B, P + 1, out.hidden.shape[-1]))
+        hid = feats.gather(1, res.path[:, :P + 1].clamp(min=0)[:, :, None].expand(
+            B, P + 1, feats.shape[-1]))                                           # (B, P+1, Hf)
+        window = self._extend_window(reqs, res, committed, feats, vdev, seq_lens)
         acc = res.accept_len.tolist()                                              # the sync
         toks = committed.tolist()
         t3 = time.perf_counter()
@@ -181,8 +185,17 @@ class EagleWorker:
         self.timings["draft"] += t1 - t0
         self.timings["verify"] += t2 - t1
         self.timings["accept"] += t3 - t2
-        if live:
+        if window is not None:  # the draft already ran over the window, before the sync
+            for b, r in enumerate(reqs):
+                if not r.finished:
+                    r.draft_state = (window.logits[b], window.hidden[b])
+        elif live:
             self._draft_extend(live, ids, prefix, torch.cat(slots), torch.cat(hidden))
+
+    def _extend_window(self, reqs, res, committed, feats, vslots, seq_lens):
+        """Hook: a worker may run the draft over the whole verify window before the sync
+        (multi-layer EAGLE does); returns a DraftOut of the next roots, or None."""
+        return None
 
     def _count(self, req, accepted: int) -> None:
         for st in (req.spec_stats, self.stats):

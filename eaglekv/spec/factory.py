@@ -1,48 +1,98 @@
-"""Builds the speculative pieces the engine needs from its SpecConfig."""
+"""Builds the speculative pieces the engine needs from its SpecConfig.
+
+algorithm   draft checkpoint (or "random")                    drafter / worker
+eagle       EAGLE-1/2 head (fc + one layer)                   EagleDrafter / EagleWorker
+eagle3      EAGLE-3 head (fc 3H->H, midlayer, d2t, draft vocab) Eagle3Drafter / EagleWorker
+multi_layer_eagle  eaglekv layout of S EAGLE layers            MultiLayerEagleDraftWorker /
+                                                              MultiLayerEagleWorker
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from eaglekv.config import SpecConfig
-from eaglekv.errors import ConfigError
 from eaglekv.memory import KVPool
 from eaglekv.model.config import ModelConfig
 
 
-def load_draft(spec: SpecConfig, target: ModelConfig, seed: int):
-    """(draft config, state dict) of the configured draft, checked against the target."""
-    from eaglekv.spec.draft_loader import EagleDraftConfig, load_eagle_draft, random_eagle_draft
-    if spec.algorithm != "eagle":
-        raise ConfigError(f"speculative algorithm={spec.algorithm!r} is not served yet; "
-                          f"use 'eagle'")
-    if spec.draft_model == "random":
-        cfg_dict, sd = random_eagle_draft(target, seed=seed)
-        return EagleDraftConfig.from_dict(cfg_dict, sd), sd
-    return load_eagle_draft(spec.draft_model, target)
+@dataclass
+class DraftCheckpoint:
+    algorithm: str
+    config: object
+    state_dict: dict
+    num_pools: int = 1            # one-layer KV pools the draft keeps (S for multi-layer)
 
 
-def draft_bytes_per_slot(draft_cfg, dtype: torch.dtype) -> int:
-    return 0 if draft_cfg is None else KVPool.bytes_per_slot(*draft_cfg.kv_shape, dtype)
+def load_draft(spec: SpecConfig, target: ModelConfig, seed: int) -> DraftCheckpoint:
+    """The configured draft's config and weights, checked against the target (and against
+    the algorithm: a checkpoint of another draft family is refused with what it is)."""
+    random = spec.draft_model == "random"
+    if spec.algorithm == "eagle":
+        from eaglekv.spec.draft_loader import EagleDraftConfig, load_eagle_draft, random_eagle_draft
+        if random:
+            d, sd = random_eagle_draft(target, seed=seed)
+            return DraftCheckpoint("eagle", EagleDraftConfig.from_dict(d, sd), sd)
+        return DraftCheckpoint("eagle", *load_eagle_draft(spec.draft_model, target))
+    if spec.algorithm == "eagle3":
+        from eaglekv.spec.eagle3_loader import (Eagle3DraftConfig, load_eagle3_draft,
+                                                random_eagle3_draft)
+        if random:
+            d, sd = random_eagle3_draft(target, draft_vocab_size=max(2, target.vocab_size // 2),
+                                        seed=seed)
+            return DraftCheckpoint("eagle3", Eagle3DraftConfig.from_dict(d, sd), sd)
+        return DraftCheckpoint("eagle3", *load_eagle3_draft(spec.draft_model, target))
+    from eaglekv.spec.multi_layer_draft import (MultiLayerDraftConfig, load_multi_layer_draft,
+                                                random_multi_layer_draft)
+    if random:
+        d, sd = random_multi_layer_draft(target, num_layers=spec.num_steps, seed=seed)
+        cfg = MultiLayerDraftConfig.from_dict(d, sd)
+    else:
+        cfg, sd = load_multi_layer_draft(spec.draft_model, target)
+    return DraftCheckpoint("multi_layer_eagle", cfg, sd, num_pools=cfg.num_layers)
+
+
+def draft_bytes_per_slot(ckpt: DraftCheckpoint | None, dtype: torch.dtype) -> int:
+    if ckpt is None:
+        return 0
+    return ckpt.num_pools * KVPool.bytes_per_slot(*ckpt.config.kv_shape, dtype)
 
 
 def extra_columns(spec: SpecConfig, page_size: int) -> int:
     """req_to_token columns past max_context_len for the draft regions and the verify window."""
-    S, K, N, ps = spec.num_steps, spec.topk, spec.num_draft_tokens, page_size
-    if ps == 1 or K == 1:
-        draft = K * S
-    else:  # branch regions of ceil((last + S) / ps) pages each, starting in the prefix's page
-        draft = ps + K * (-(-(ps - 1 + S) // ps)) * ps
-    return max(draft, N) + S
+    from eaglekv.spec.spec_utils import draft_region_extra
+    return max(draft_region_extra(spec.topk, spec.num_steps, page_size),
+               spec.num_draft_tokens) + page_size + spec.num_steps
 
 
-def build_worker(engine, spec: SpecConfig, draft_ckpt, drafter=None):
-    from eaglekv.spec.drafter import EagleDrafter
-    from eaglekv.spec.eagle_draft import EagleDraftModel
+def build_worker(engine, spec: SpecConfig, ckpt: DraftCheckpoint | None, drafter=None):
     from eaglekv.spec.eagle_worker import EagleWorker
+    from eaglekv.spec.multi_layer_eagle_worker import MultiLayerEagleWorker
+    worker_cls = MultiLayerEagleWorker if spec.algorithm == "multi_layer_eagle" else EagleWorker
     if drafter is None:
-        cfg, sd = draft_ckpt
-        model = EagleDraftModel(cfg, sd, engine.model, engine.config.torch_dtype, engine.device)
-        drafter = EagleDrafter(model, engine.allocator.size, engine.config.page_size,
-                               engine.req_to_token, engine.config.torch_dtype, engine.device)
-    return EagleWorker(engine, drafter, spec)
+        drafter = _build_drafter(engine, spec, ckpt)
+    return worker_cls(engine, drafter, spec)
+
+
+def _build_drafter(engine, spec, ckpt: DraftCheckpoint):
+    from eaglekv.spec.drafter import Eagle3Drafter, EagleDrafter
+    from eaglekv.spec.multi_layer_eagle_worker import MultiLayerEagleDraftWorker
+    cfg = engine.config
+    args = (engine.allocator.size, cfg.page_size, engine.req_to_token, cfg.torch_dtype,
+            engine.device)
+    if ckpt.algorithm == "eagle":
+        from eaglekv.spec.eagle_draft import EagleDraftModel
+        model = EagleDraftModel(ckpt.config, ckpt.state_dict, engine.model, cfg.torch_dtype,
+                                engine.device)
+        return EagleDrafter(model, *args)
+    if ckpt.algorithm == "eagle3":
+        from eaglekv.spec.eagle3_draft import Eagle3DraftModel
+        model = Eagle3DraftModel(ckpt.config, ckpt.state_dict, engine.model, cfg.torch_dtype,
+                                 engine.device)
+        return Eagle3Drafter(model, *args, num_target_layers=engine.model_config.num_layers)
+    from eaglekv.spec.multi_layer_draft import MultiLayerDraftModel
+    model = MultiLayerDraftModel(ckpt.config, ckpt.state_dict, engine.model, cfg.torch_dtype,
+                                 engine.device)
+    return MultiLayerEagleDraftWorker(model, spec, *args)

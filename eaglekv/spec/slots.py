@@ -35,7 +35,7 @@ class DraftBatch:
 
     def decode_meta(self, step: int, kv_lens: tuple[int, ...]):
         o = self.owner
-        return o.drafter.decode_metadata(o.kv_indptr[step], o.kv_indices[step], kv_lens,
+        return o.drafter.decode_metadata(step, o.kv_indptr[step], o.kv_indices[step], kv_lens,
                                          self.slots[:, :, step].reshape(-1))
 
     def reorder_kv(self, dst: torch.Tensor, src: torch.Tensor) -> None:
