@@ -190,3 +190,30 @@ def test_sampling_keeps_the_target_distribution(tiny_dir, deep_dir, alg, S, K, N
     # candidates only rarely at this temperature (the tree rule is exercised in depth by
     # test_spec_sampling's noisy self-draft)
     assert st.accepted_tokens > (0.1 * st.verify_steps if K == 1 else 0)
+
+
+def test_checkpoint_of_another_family_is_refused_at_engine_start(deep_dir, tmp_path):
+    """An EAGLE-3 head configured as 'eagle' (SGLang would run it at accept length 1.0), an
+    EAGLE-1 head as 'eagle3' or 'multi_layer_eagle': each refused, saying what it is."""
+    from eaglekv.errors import ModelLoadError
+    from eaglekv.spec.draft_loader import random_eagle_draft, save_eagle_draft
+    from eaglekv.spec.eagle3_loader import random_eagle3_draft, save_eagle3_draft
+    from eaglekv.spec.multi_layer_draft import random_multi_layer_draft, save_multi_layer_draft
+    mc = tiny_engine(deep_dir).model_config
+    save_eagle_draft(tmp_path / "e1", *random_eagle_draft(mc))
+    save_eagle3_draft(tmp_path / "e3", *random_eagle3_draft(mc, draft_vocab_size=64),
+                      fmt="safetensors")
+    save_multi_layer_draft(tmp_path / "ml", *random_multi_layer_draft(mc, num_layers=3))
+    cases = [("eagle", "e3", "eagle3"), ("eagle3", "e1", "algorithm='eagle'"),
+             ("multi_layer_eagle", "e1", "algorithm='eagle'"),
+             ("multi_layer_eagle", "e3", "eagle3"), ("eagle", "ml", "multi_layer_eagle")]
+    for alg, name, says in cases:
+        with pytest.raises(ModelLoadError, match=says):
+            tiny_engine(deep_dir, speculative=spec(alg, 3, draft=str(tmp_path / name)))
+    # and each loads under its own algorithm, lossless
+    ref = tiny_engine(deep_dir).generate(PROMPTS[:1], SamplingParams(max_new_tokens=12))[0]
+    for alg, name in [("eagle", "e1"), ("eagle3", "e3"), ("multi_layer_eagle", "ml")]:
+        eng = tiny_engine(deep_dir, speculative=spec(alg, 3, draft=str(tmp_path / name)))
+        out = eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=12))[0]
+        assert out.token_ids == ref.token_ids
+        eng.check_memory()

@@ -72,6 +72,9 @@ class EagleDraftConfig:
         """config.json plus the (normalised) tensor names, which say what is present."""
         eagle3_refusal(d, sd)
         n_layers = d.get("num_hidden_layers", 1)
+        if "EagleKVMultiLayerDraft" in (d.get("architectures") or []):
+            raise ModelLoadError(f"this is a multi-layer EAGLE draft ({n_layers} layers); use "
+                                 f"algorithm='multi_layer_eagle'")
         if n_layers != 1:
             raise ModelLoadError(f"config.json has num_hidden_layers={n_layers}; an EAGLE-1/2 "
                                  f"draft head has exactly 1 decoder layer (is this the target "
