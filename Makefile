@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/eaglekv generate "$(PROMPT)" --chat --max-new-tokens 96
+	$(BIN)/eaglekv generate "$(PROMPT)" --chat --max-new-tokens 96 --spec eagle --draft default
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra tests

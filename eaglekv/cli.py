@@ -24,7 +24,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default=sp.algorithm, choices=SPEC_ALGORITHMS,
                    help="speculative decoding algorithm")
     p.add_argument("--draft", default=sp.draft_model,
-                   help="draft checkpoint directory (EAGLE layout), or 'random'")
+                   help="draft checkpoint directory (published layout of --spec), 'default' "
+                   "(the head shipped for SmolLM2-135M-Instruct), or 'random'")
     p.add_argument("--num-steps", type=int, default=sp.num_steps)
     p.add_argument("--topk", type=int, default=sp.topk)
     p.add_argument("--num-draft-tokens", type=int, default=sp.num_draft_tokens)

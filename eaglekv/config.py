@@ -52,8 +52,9 @@ class SpecConfig:
     """Speculative decoding. These fields are the one place the spec defaults live.
 
     `num_steps` S draft steps, each branching `topk` K ways; `num_draft_tokens` N nodes go to
-    one verify forward per request (the root included). `draft_model` is a checkpoint directory
-    or "random" (a randomly initialised head of the right shape, for tests and smoke runs).
+    one verify forward per request (the root included). `draft_model` is a checkpoint directory,
+    "default" (the EAGLE head shipped for the default model) or "random" (a randomly
+    initialised head of the right shape, for tests and smoke runs).
     """
 
     algorithm: str = "none"

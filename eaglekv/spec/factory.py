@@ -10,10 +10,12 @@ multi_layer_eagle  eaglekv layout of S EAGLE layers            MultiLayerEagleDr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from eaglekv.config import SpecConfig
+from eaglekv.errors import ConfigError
 from eaglekv.memory import KVPool
 from eaglekv.model.config import ModelConfig
 
@@ -26,6 +28,21 @@ class DraftCheckpoint:
     num_pools: int = 1            # one-layer KV pools the draft keeps (S for multi-layer)
 
 
+DEFAULT_DRAFTS = {"eagle": Path(__file__).resolve().parent.parent / "drafts"
+                  / "smollm2-135m-instruct-eagle"}
+
+
+def draft_path(spec: SpecConfig) -> str:
+    """`draft_model="default"`: the head shipped for the default model (SmolLM2-135M-Instruct,
+    trained here by self-distillation, see eaglekv/spec/train_draft.py)."""
+    if spec.draft_model != "default":
+        return spec.draft_model
+    if spec.algorithm not in DEFAULT_DRAFTS:
+        raise ConfigError(f"draft_model='default' exists only for algorithm "
+                          f"{sorted(DEFAULT_DRAFTS)}, not {spec.algorithm!r}; pass a checkpoint")
+    return str(DEFAULT_DRAFTS[spec.algorithm])
+
+
 def load_draft(spec: SpecConfig, target: ModelConfig, seed: int) -> DraftCheckpoint:
     """The configured draft's config and weights, checked against the target (and against
     the algorithm: a checkpoint of another draft family is refused with what it is)."""
@@ -35,7 +52,7 @@ def load_draft(spec: SpecConfig, target: ModelConfig, seed: int) -> DraftCheckpo
         if random:
             d, sd = random_eagle_draft(target, seed=seed)
             return DraftCheckpoint("eagle", EagleDraftConfig.from_dict(d, sd), sd)
-        return DraftCheckpoint("eagle", *load_eagle_draft(spec.draft_model, target))
+        return DraftCheckpoint("eagle", *load_eagle_draft(draft_path(spec), target))
     if spec.algorithm == "eagle3":
         from eaglekv.spec.eagle3_loader import (Eagle3DraftConfig, load_eagle3_draft,
                                                 random_eagle3_draft)
