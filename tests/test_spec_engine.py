@@ -210,7 +210,6 @@ def test_int32_budget_checked_at_startup(tiny_dir):
 def test_draft_must_match_target(tiny_dir, tmp_path):
     from conftest import make_tiny
     from eaglekv.errors import ModelLoadError
-    from eaglekv.model.config import ModelConfig
     from eaglekv.spec.draft_loader import random_eagle_draft, save_eagle_draft
     other = tmp_path / "wide"
     make_tiny(other, hidden_size=96)

@@ -6,7 +6,6 @@ acceptance and rejection happen often."""
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch

@@ -7,7 +7,6 @@ the benchmark comparison.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

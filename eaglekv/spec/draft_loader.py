@@ -207,23 +207,29 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def load_eagle_draft(path: str | os.PathLike, target: ModelConfig
-                     ) -> tuple[EagleDraftConfig, dict[str, torch.Tensor]]:
-    """Read an EAGLE-1/2 head directory; the state dict comes back with normalised names."""
+def read_draft_dir(path: str | os.PathLike, what: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A draft checkpoint directory: (config.json as a dict, the state dict with normalised
+    names); a missing or unreadable path, config or weight file raises ModelLoadError."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"EAGLE draft path {path} does not exist")
+        raise ModelLoadError(f"{what} path {path} does not exist")
     if not path.is_dir():
-        raise ModelLoadError(f"EAGLE draft path {path} is not a directory "
+        raise ModelLoadError(f"{what} path {path} is not a directory "
                              f"(expected config.json + pytorch_model.bin or *.safetensors)")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise ModelLoadError(f"EAGLE draft directory {path} holds no config.json")
+        raise ModelLoadError(f"{what} directory {path} holds no config.json")
     try:
         d = json.loads(cfg_file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"cannot read {cfg_file}: {e}") from e
-    sd = normalize_names(read_weights(path))
+    return d, normalize_names(read_weights(path))
+
+
+def load_eagle_draft(path: str | os.PathLike, target: ModelConfig
+                     ) -> tuple[EagleDraftConfig, dict[str, torch.Tensor]]:
+    """Read an EAGLE-1/2 head directory; the state dict comes back with normalised names."""
+    d, sd = read_draft_dir(path, "EAGLE draft")
     cfg = EagleDraftConfig.from_dict(d, sd)
     check_against_target(cfg, target)
     check_eagle_state_dict(cfg, sd)

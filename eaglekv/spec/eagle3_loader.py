@@ -26,18 +26,16 @@ from `models/llama_eagle3.py`, vLLM as `Eagle3LlamaForCausalLM`):
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from eaglekv.errors import ModelLoadError
 from eaglekv.model.config import ModelConfig
-from eaglekv.spec.draft_loader import (IGNORED_SUFFIXES, check_against_target, normalize_names,
-                                       read_weights, save_eagle_draft)
+from eaglekv.spec.draft_loader import (IGNORED_SUFFIXES, check_against_target, read_draft_dir,
+                                       save_eagle_draft)
 
 MID = "midlayer."
 
@@ -217,20 +215,7 @@ def check_vocab_map(cfg: Eagle3DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor
 def load_eagle3_draft(path: str | os.PathLike, target: ModelConfig
                       ) -> tuple[Eagle3DraftConfig, dict[str, torch.Tensor]]:
     """Read an EAGLE-3 head directory; the state dict comes back with normalised names."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"EAGLE-3 draft path {path} does not exist")
-    if not path.is_dir():
-        raise ModelLoadError(f"EAGLE-3 draft path {path} is not a directory "
-                             f"(expected config.json + pytorch_model.bin or *.safetensors)")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ModelLoadError(f"EAGLE-3 draft directory {path} holds no config.json")
-    try:
-        d = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot read {cfg_file}: {e}") from e
-    sd = normalize_names(read_weights(path))
+    d, sd = read_draft_dir(path, "EAGLE-3 draft")
     cfg = Eagle3DraftConfig.from_dict(d, sd)
     check_against_target(cfg, target)
     check_eagle3_state_dict(cfg, sd)

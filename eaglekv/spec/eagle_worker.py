@@ -109,7 +109,7 @@ class EagleWorker:
 
     # ---- decode ---------------------------------------------------------------------------------
     def decode(self, reqs) -> None:
-        eng, S, K, N = self.engine, self.S, self.K, self.N
+        eng, S, N = self.engine, self.S, self.N
         dev = eng.device
         B = len(reqs)
         t0 = time.perf_counter()

@@ -34,11 +34,9 @@ heads (one unprefixed `fc`: use algorithm='eagle') and EAGLE-3 heads (use algori
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,8 +45,8 @@ from eaglekv.errors import ModelLoadError
 from eaglekv.model.config import ModelConfig
 from eaglekv.model.llama import LlamaForCausalLM, ModelOutput
 from eaglekv.spec.draft_loader import (IGNORED_SUFFIXES, LAYER, EagleDraftConfig,
-                                       check_against_target, eagle3_refusal, normalize_names,
-                                       random_eagle_draft, read_weights, save_eagle_draft)
+                                       check_against_target, eagle3_refusal,
+                                       random_eagle_draft, read_draft_dir, save_eagle_draft)
 from eaglekv.spec.draft_loader import expected_tensors as eagle_expected_tensors
 from eaglekv.spec.eagle_draft import EagleDraftModel
 
@@ -192,20 +190,7 @@ def head_state_dict(sd: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tens
 def load_multi_layer_draft(path: str | os.PathLike, target: ModelConfig
                            ) -> tuple[MultiLayerDraftConfig, dict[str, torch.Tensor]]:
     """Read a multi-layer draft directory; the state dict comes back with normalised names."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"multi-layer draft path {path} does not exist")
-    if not path.is_dir():
-        raise ModelLoadError(f"multi-layer draft path {path} is not a directory "
-                             f"(expected config.json + pytorch_model.bin or *.safetensors)")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ModelLoadError(f"multi-layer draft directory {path} holds no config.json")
-    try:
-        d = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot read {cfg_file}: {e}") from e
-    sd = normalize_names(read_weights(path))
+    d, sd = read_draft_dir(path, "multi-layer draft")
     cfg = MultiLayerDraftConfig.from_dict(d, sd)
     check_against_target(cfg, target)
     check_multi_layer_state_dict(cfg, sd)
