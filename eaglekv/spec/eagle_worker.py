@@ -164,8 +164,8 @@ class EagleWorker:
         hid = feats.gather(1, res.path[:, :P + 1].clamp(min=0)[:, :, None].expand(
             B, P + 1, feats.shape[-1]))                                           # (B, P+1, Hf)
         window = self._extend_window(reqs, res, committed, feats, vdev, seq_lens)
-        acc = res.accept_len.tolist()                                              # the sync
-        toks = committed.tolist()
+        host = torch.cat([res.accept_len[:, None], committed], 1).tolist()       # the sync
+        acc, toks = [h[0] for h in host], [h[1:] for h in host]
         t3 = time.perf_counter()
         # 5. books on the host: free the rejected tail, append tokens, draft extend
         live, ids, prefix, slots, hidden = [], [], [], [], []
