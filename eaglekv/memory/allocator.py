@@ -9,6 +9,8 @@ is in use any more. Freeing a slot twice, or one never handed out, raises `Alloc
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 from eaglekv.errors import AllocatorError, ConfigError, OutOfKVMemoryError
@@ -24,7 +26,9 @@ class SlotAllocator:
         self.size, self.page_size = size, page_size
         self.num_pages = size // page_size
         # pages 1..num_pages are real; page 0 is the padding page
-        self._free_pages: list[int] = list(range(self.num_pages, 0, -1))  # pop() gives page 1 first
+        # a min-heap: the lowest free page goes first, so a request's pages stay consecutive
+        # whenever they can (its K/V then read as one slice instead of a gather)
+        self._free_pages: list[int] = list(range(1, self.num_pages + 1))
         self._used = torch.zeros(size + page_size, dtype=torch.bool)       # per slot
         self._page_count = torch.zeros(self.num_pages + 1, dtype=torch.int64)  # used slots per page
 
@@ -78,7 +82,7 @@ class SlotAllocator:
             slots[:in_last] = tail
         rest = n - in_last
         if rest:  # whole free pages: nothing in them is in use, so nothing can fail after this
-            pages = [self._free_pages.pop() for _ in range(need_pages)]
+            pages = [heapq.heappop(self._free_pages) for _ in range(need_pages)]
             # (need_pages, ps) -> flat, first `rest` of them
             page_slots = (torch.tensor(pages, dtype=torch.int64)[:, None] * ps
                           + torch.arange(ps)[None, :]).reshape(-1)
@@ -109,7 +113,8 @@ class SlotAllocator:
         self._page_count.index_add_(0, pages, -torch.ones_like(slots))
         emptied = torch.unique(pages)
         emptied = emptied[self._page_count[emptied] == 0]
-        self._free_pages.extend(emptied.tolist())
+        for page in emptied.tolist():
+            heapq.heappush(self._free_pages, page)
 
     # ---- books ---------------------------------------------------------------------------------
     def check_integrity(self) -> None:
