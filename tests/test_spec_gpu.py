@@ -60,3 +60,23 @@ def test_gpu_spec_bad_slot_fails_batch_then_serves(tiny_dir):
     assert eng.generate([PROMPTS[1]], sp)[0].token_ids == ref
     eng.check_memory()
     assert eng.allocator.is_full()
+
+
+@pytest.fixture(scope="module")
+def deep_dir(tmp_path_factory):
+    from conftest import make_tiny
+    path = tmp_path_factory.mktemp("tiny_deep_gpu")
+    make_tiny(path, num_hidden_layers=8, seed=3)
+    return path
+
+
+@pytest.mark.parametrize("alg,S,K,N,ps", [("eagle3", 3, 1, 4, 1), ("eagle3", 3, 2, 6, 16),
+                                          ("multi_layer_eagle", 3, 1, 4, 16)])
+def test_gpu_families_greedy_equal_plain(deep_dir, alg, S, K, N, ps):
+    sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    plain = [o.token_ids for o in tiny_engine(deep_dir, device="cuda").generate(PROMPTS, sp)]
+    eng = tiny_engine(deep_dir, device="cuda", page_size=ps, max_running_requests=4,
+                      speculative=dict(spec(S, K, N), algorithm=alg))
+    assert [o.token_ids for o in eng.generate(PROMPTS, sp)] == plain
+    eng.check_memory()
+    assert eng.allocator.is_full()
