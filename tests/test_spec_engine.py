@@ -248,3 +248,36 @@ def test_bad_draft_slot_fails_only_its_batch(tiny_dir, reference):
     assert out.token_ids == reference[1][:20]
     eng.check_memory()
     assert eng.allocator.is_full()
+
+
+@pytest.mark.parametrize("K,N", [(1, 4), (2, 6)])
+def test_mixed_greedy_and_sampling_batch(tiny_dir, reference, K, N):
+    """Greedy requests stay token-identical to plain greedy while sampled ones share the batch;
+    a seeded sampled request gives the same tokens in two runs."""
+    runs = []
+    for _ in range(2):
+        eng = spec_engine(tiny_dir, 3, K, N, max_running_requests=4)
+        params = [SamplingParams(max_new_tokens=20, ignore_eos=True),
+                  SamplingParams(max_new_tokens=20, temperature=0.9, seed=11, ignore_eos=True),
+                  SamplingParams(max_new_tokens=20, ignore_eos=True),
+                  SamplingParams(max_new_tokens=20, temperature=1.2, top_k=5, seed=3,
+                                 ignore_eos=True)]
+        outs = eng.generate(PROMPTS, params)
+        assert outs[0].token_ids == reference[0][:20]
+        assert outs[2].token_ids == reference[2][:20]
+        runs.append([o.token_ids for o in outs])
+        eng.check_memory()
+    assert runs[0] == runs[1]
+
+
+def test_context_edge_and_single_token(tiny_dir):
+    """A request that ends exactly at max_context_len (the verify window reaches past it) and a
+    request of one new token both work under speculation."""
+    plain = tiny_engine(tiny_dir, max_context_len=40)
+    eng = spec_engine(tiny_dir, 5, 2, 8, ps=4, max_context_len=40)
+    prompt = list(range(3, 30))
+    for n in (40 - len(prompt), 1):
+        sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
+        assert eng.generate(prompt, sp)[0].token_ids == plain.generate(prompt, sp)[0].token_ids
+    eng.check_memory()
+    assert eng.allocator.is_full()
