@@ -31,3 +31,23 @@ def test_smollm2_spec_greedy_equals_plain(plain, S, K, N, ps):
     assert all(o.spec.verify_steps > 0 for o in outs)
     eng.check_memory()
     assert eng.allocator.is_full()
+
+
+@pytest.mark.slow
+def test_smollm2_default_draft_stop_string_and_stream(smol_engine):
+    """The shipped draft accepts multi-token runs; a stop string inside a run truncates the
+    output exactly where plain decoding does, and streaming yields the same text."""
+    eng = Engine(EngineConfig(model="default", max_total_tokens=1024, max_running_requests=1,
+                              speculative=dict(algorithm="eagle", draft_model="default")))
+    ids = smol_engine.encode("def fibonacci(n):")
+    free = smol_engine.generate([ids], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
+    stop = free.text[len(free.text) // 2:][:4]       # a string from the middle of the output
+    sp = SamplingParams(max_new_tokens=40, stop=(stop,))
+    want = smol_engine.generate([ids], sp)[0]
+    got = eng.generate([ids], sp)[0]
+    assert got.text == want.text and got.finish_reason == want.finish_reason == "stop"
+    assert got.token_ids == want.token_ids
+    assert got.spec.accept_length_mean > 1.2
+    assert "".join(d.text for d in eng.stream(ids, sp)) == want.text
+    eng.check_memory()
+    assert eng.allocator.is_full()
