@@ -8,15 +8,19 @@ reported. Output is JSON (stdout and, with --out, a file).
 from __future__ import annotations
 
 import datetime
+import os
 import json
 import platform
 import statistics
 import time
 
+from contextlib import contextmanager
+
 import torch
 
 from eaglekv.config import EngineConfig, SamplingParams
 from eaglekv.engine import Engine
+from eaglekv.model.llama import USE_NUMPY_BLAS
 
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -71,41 +75,63 @@ def spec_summary(engine: Engine) -> dict:
             "ms_per_verify_step": {k: 1e3 * v / steps for k, v in w.timings.items()}}
 
 
+@contextmanager
+def torch_threads(n: int | None):
+    """Each engine runs with its own best thread setting (the setting is process-wide)."""
+    old = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 def run_bench(model: str = "default", dtype: str = "float32", device: str = "cpu",
               new_tokens: int = 128, repeats: int = 3, prompt: str = DEFAULT_PROMPT,
               with_hf: bool = True, spec=None) -> dict:
     cfg = EngineConfig(model=model, dtype=dtype, device=device, max_running_requests=1,
                        max_total_tokens=4096)
+    hf_threads = torch.get_num_threads()   # HF transformers as users run it: torch's default
     engine = Engine(cfg)
+    ek_threads = torch.get_num_threads()   # what the eaglekv engine chose (model/llama.py)
     ids = engine.encode(prompt)
     spec_engine = None
     if spec is not None and spec.enabled:
         spec_engine = Engine(EngineConfig(**{**cfg.__dict__, "speculative": spec}))
     hf = load_hf(model, cfg.torch_dtype, device) if with_hf else None
-    time_eaglekv(engine, ids, 8, device)  # warm-up
-    if spec_engine is not None:
-        time_eaglekv(spec_engine, ids, 8, device)
+    with torch_threads(ek_threads):
+        time_eaglekv(engine, ids, 8, device)  # warm-up
+        if spec_engine is not None:
+            time_eaglekv(spec_engine, ids, 8, device)
     if hf is not None:
-        time_hf(hf, ids, 8, device)
+        with torch_threads(hf_threads):
+            time_hf(hf, ids, 8, device)
     rows: dict[str, list[float]] = {"eaglekv": [], "eaglekv_spec": [], "hf_transformers": []}
     identical = True
     for _ in range(repeats):
         if hf is not None:
-            rows["hf_transformers"].append(time_hf(hf, ids, new_tokens, device))
-        tps, plain_ids = time_eaglekv(engine, ids, new_tokens, device)
+            with torch_threads(hf_threads):
+                rows["hf_transformers"].append(time_hf(hf, ids, new_tokens, device))
+        with torch_threads(ek_threads):
+            tps, plain_ids = time_eaglekv(engine, ids, new_tokens, device)
         rows["eaglekv"].append(tps)
         if spec_engine is not None:
             if spec_engine.worker.stats.verify_steps:  # count the timed runs only
                 spec_engine.worker.reset_stats()
-            tps, spec_ids = time_eaglekv(spec_engine, ids, new_tokens, device)
+            with torch_threads(ek_threads):
+                tps, spec_ids = time_eaglekv(spec_engine, ids, new_tokens, device)
             rows["eaglekv_spec"].append(tps)
             identical &= spec_ids == plain_ids
     result = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {platform.processor() or ''} "
-                   f"{torch.get_num_threads()} threads".strip(),
+                   f"{os.cpu_count()} cpus".strip(),
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-        "torch": torch.__version__, "model": model, "dtype": dtype, "batch": 1,
+        "torch": torch.__version__, "torch_threads": {"hf_transformers": hf_threads,
+                                                        "eaglekv": ek_threads},
+        "cpu_blas": "numpy (OpenBLAS)" if device == "cpu" and USE_NUMPY_BLAS else "torch",
+        "model": model, "dtype": dtype, "batch": 1,
         "prompt_tokens": len(ids), "new_tokens": new_tokens, "repeats": repeats,
         "tokens_per_s": {k: statistics.median(v) for k, v in rows.items() if v},
         "runs": {k: v for k, v in rows.items() if v},

@@ -24,6 +24,7 @@ from eaglekv.kernels.guard import kv_guard
 from eaglekv.errors import ConfigError, KVIndexError, OutOfKVMemoryError, RequestError
 from eaglekv.memory import KVPool, ReqToTokenPool, SlotAllocator
 from eaglekv.model import LlamaForCausalLM
+from eaglekv.model.llama import cpu_blas_threads
 from eaglekv.model.loader import load_checkpoint
 from eaglekv.spec.slots import kv_indices_width
 from eaglekv.spec.factory import build_worker, draft_bytes_per_slot, extra_columns, load_draft
@@ -40,6 +41,8 @@ class Engine:
             raise ConfigError(f"pass either an EngineConfig or options, not both ({sorted(options)})")
         self.config = cfg = config
         self.device = torch.device(cfg.device)
+        if self.device.type == "cpu" and cpu_blas_threads():  # see model/llama.py
+            torch.set_num_threads(cpu_blas_threads())
         # 1. model and weights
         ckpt = load_checkpoint(cfg.model)
         self.model_config = mc = ckpt.config

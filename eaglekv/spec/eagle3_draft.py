@@ -141,7 +141,7 @@ class Eagle3DraftModel:
         gate, up = linear(rms_norm(r, lay.post_norm, eps), lay.gate_up).chunk(2, -1)  # (T, I)
         g = r + linear(F.silu(gate) * up, lay.down)                              # (T, H)
         gs = g if logits_indices is None else g[logits_indices]                  # (n, H)
-        logits = rms_norm(gs, self.norm, eps) @ self.lm_head_t                   # (n, Vd)
+        logits = linear(rms_norm(gs, self.norm, eps), self.lm_head_t)                  # (n, Vd)
         return ModelOutput(logits=logits, hidden=g)
 
     def to_target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:

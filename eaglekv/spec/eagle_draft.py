@@ -81,5 +81,5 @@ class EagleDraftModel:
         x, residual = self.layer.forward(x, None, rot, backend, meta, 0)
         g = residual + x                                                          # (T, H)
         gs = g if logits_indices is None else g[logits_indices]                   # (n, H)
-        logits = gs @ self.lm_head_t                                              # (n, V)
+        logits = linear(gs, self.lm_head_t)                                             # (n, V)
         return ModelOutput(logits=logits, hidden=g)
