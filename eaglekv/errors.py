@@ -38,14 +38,16 @@ class KVIndexError(EaglekvError, IndexError):
     """
 
     def __init__(self, op: str, first_bad: int, limit: int, num_bad: int, num_total: int,
-                 layer: int | None = None, low: int = 0):
+                 layer: int | None = None, low: int = 0, step_bad: int | None = None):
         self.op, self.first_bad, self.limit = op, first_bad, limit
         self.num_bad, self.num_total, self.layer, self.low = num_bad, num_total, layer, low
+        self.step_bad = step_bad   # bad indices over every guarded call of the step, if more
         where = f"{op} (layer {layer}, " if layer is not None else f"{op} ("
+        step = f"; {step_bad} bad in this step" if step_bad not in (None, num_bad) else ""
         super().__init__(
             f"slot {first_bad} out of range [{low}, {limit}) in {where}"
-            f"{num_bad} of {num_total} indices bad)")
+            f"{num_bad} of {num_total} indices bad{step})")
 
     def with_layer(self, layer: int) -> "KVIndexError":
         return KVIndexError(self.op, self.first_bad, self.limit, self.num_bad, self.num_total,
-                            layer=layer, low=self.low)
+                            layer=layer, low=self.low, step_bad=self.step_bad)

@@ -91,7 +91,7 @@ def test_deferred_error_names_layer_and_clears():
         store_cache(k, k, kc, vc, torch.tensor([3, 99], device=DEV), layer=4)
         store_cache(k, k, kc, vc, torch.tensor([-5, 4], device=DEV), layer=5)
     with pytest.raises(KVIndexError, match=r"slot 99 out of range \[0, 16\) in store_cache "
-                                           r"\(layer 4, 2 of 2 indices bad\)"):
+                                           r"\(layer 4, 1 of 2 indices bad; 2 bad in this step\)"):
         guard.raise_if_error()
     guard.raise_if_error()  # nothing left
     assert torch.equal(kc[3], torch.ones(1, 32, device=DEV))
@@ -121,3 +121,99 @@ def test_first_bad_index_across_token_blocks():
     good = [i for i in range(n) if i not in (20, 33, 35)]
     assert torch.equal(kc[good], k[good]) and torch.equal(kc[n:], before[n:])
     assert torch.equal(kc[20], before[20]) and torch.equal(kc[33], before[33])
+
+
+# The cached launch (`store_cache_triton_fast`): on the GPU the second call of a signature goes
+# straight to the launcher; these tests make each of its inputs vary. On CPU (interpreter)
+# nothing is cached and the same tests run the full path.
+
+def reference_store(k, v, kc, vc, idx, **kw):
+    rk, rv = kc.clone().cpu(), vc.clone().cpu()
+    store_cache_torch(k.cpu(), v.cpu(), rk, rv, idx.cpu(), **kw)
+    return rk, rv
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_repeated_calls_hit_the_cached_launch_and_match(idx_dtype):
+    from eaglekv.kernels import store_cache_triton as st
+    kc, vc = caches(64, 3, 64, torch.bfloat16)
+    for step in range(4):                 # same shapes, new data and new slots every call
+        g = torch.Generator().manual_seed(step)
+        k = torch.randn(5, 3, 64, generator=g).to(torch.bfloat16).to(DEV)
+        v = torch.randn(5, 3, 64, generator=g).to(torch.bfloat16).to(DEV)
+        idx = torch.randperm(64, generator=g)[:5].to(idx_dtype).to(DEV)
+        rk, rv = reference_store(k, v, kc, vc, idx)
+        store_cache(k, v, kc, vc, idx, size_limit=60 if step % 2 else 0)
+        assert torch.equal(kc.cpu(), rk) and torch.equal(vc.cpu(), rv)
+    cached = [x for x in st._LAUNCHES.values() if x is not None]
+    assert bool(cached) == ON_GPU         # the GPU path really took the cached launch
+
+
+def test_cached_launch_still_guards_every_call():
+    """A signature launched once with good slots, then with bad ones: still masked, still
+    raised, and the error names this call's index and layer."""
+    kc, vc = caches(32, 2, 64, torch.float32)
+    k = torch.full((3, 2, 64), 4.0, device=DEV)
+    for _ in range(2):
+        store_cache(k, k, kc, vc, torch.tensor([1, 2, 3], device=DEV), layer=2)
+    before = kc.clone()
+    with pytest.raises(KVIndexError, match=r"slot 32 out of range \[0, 32\) in store_cache "
+                                           r"\(layer 7, 1 of 3 indices bad\)"):
+        store_cache(k * 2, k * 2, kc, vc, torch.tensor([4, 32, 5], device=DEV), layer=7)
+    changed = (kc != before).any(-1).any(-1).nonzero().view(-1).tolist()
+    assert changed == [4, 5]
+    guard = kv_guard(DEV)
+    with guard.step():                    # deferred: the first bad call of the step wins
+        store_cache(k, k, kc, vc, torch.tensor([6, 7, 8], device=DEV), layer=0)
+        store_cache(k, k, kc, vc, torch.tensor([9, -1, 10], device=DEV), layer=1)
+        store_cache(k, k, kc, vc, torch.tensor([99, 11, 12], device=DEV), layer=3)
+    with pytest.raises(KVIndexError, match=r"slot -1 .* \(layer 1, 1 of 3 indices "
+                                           r"bad; 2 bad in this step\)"):
+        guard.raise_if_error()
+    assert torch.equal(kc[6:13].cpu(), torch.full((7, 2, 64), 4.0))
+
+
+def test_alignment_and_strides_change_the_signature():
+    """Same shapes, but k starting one element off (not 16-byte aligned) or strided: each is
+    its own launch and copies correctly."""
+    kc, vc = caches(40, 1, 64, torch.float16)
+    base = torch.randn(4 * 130 + 1, dtype=torch.float16, device=DEV)
+    idx = torch.tensor([3, 17, 30, 39], device=DEV)
+    aligned = base[:4 * 64].view(4, 1, 64)
+    shifted = base[1:4 * 64 + 1].view(4, 1, 64)
+    strided = base[:4 * 130].view(4, 130)[:, 2:66].reshape(4, 1, 64)   # row stride 130
+    for k in (aligned, shifted, aligned, strided, shifted):
+        rk, rv = reference_store(k, k, kc, vc, idx)
+        store_cache(k, k, kc, vc, idx)
+        assert torch.equal(kc.cpu(), rk) and torch.equal(vc.cpu(), rv)
+
+
+def test_strided_indices():
+    """A strided index tensor (every other slot) is read in its logical order."""
+    kc, vc = caches(32, 2, 32, torch.float32)
+    base = torch.tensor([1, 100, 5, 100, 9, 100, 31, 100], device=DEV)
+    idx = base[::2]                                                       # (4,) stride 2
+    k = torch.randn(4, 2, 32, device=DEV)
+    for _ in range(2):
+        rk, rv = reference_store(k, -k, kc, vc, idx)
+        store_cache(k, -k, kc, vc, idx)
+        assert torch.equal(kc.cpu(), rk) and torch.equal(vc.cpu(), rv)
+
+
+def test_fast_launch_off_gives_the_same(monkeypatch):
+    kc, vc = caches(24, 2, 64, torch.bfloat16)
+    k = torch.randn(6, 2, 64, device=DEV).to(torch.bfloat16)
+    idx = torch.tensor([0, 4, 8, 12, 16, 23], device=DEV)
+    rk, rv = kc.clone(), vc.clone()
+    store_cache(k, k, kc, vc, idx)
+    store_cache(k, k, kc, vc, idx)
+    from eaglekv.kernels.guard import FLAGS, reload_env_flags
+    monkeypatch.setenv("EAGLEKV_TRITON_FAST_LAUNCH", "0")
+    try:
+        assert not reload_env_flags().fast_launch
+        store_cache(k, k, rk, rv, idx)
+    finally:
+        monkeypatch.undo()
+        reload_env_flags()
+    assert FLAGS.fast_launch
+    assert torch.equal(kc, rk) and torch.equal(vc, rv)

@@ -6,6 +6,9 @@ records the error in a small device buffer: `[bad count, first key]` where
 The host reads the buffer at the step's existing sync (`raise_if_error`), so the normal path
 costs no extra sync. Outside a step, a guarded call checks at once (one sync) and raises.
 `EAGLEKV_DEVICE_ASSERT=1` switches the kernels to a hard device assert for debugging.
+
+The environment switches are read once, when this module is imported (a launch-path
+`os.environ` lookup costs ~1 us on a slow host); `reload_env_flags()` reads them again.
 """
 
 from __future__ import annotations
@@ -21,8 +24,29 @@ from eaglekv.errors import KVIndexError
 NO_ERROR = 2**62
 
 
+@dataclass
+class EnvFlags:
+    device_assert: bool   # EAGLEKV_DEVICE_ASSERT=1: hard device assert instead of the guard
+    fast_launch: bool     # EAGLEKV_TRITON_FAST_LAUNCH=0: always go through Triton's dispatch
+
+    @classmethod
+    def from_env(cls) -> "EnvFlags":
+        return cls(device_assert=os.environ.get("EAGLEKV_DEVICE_ASSERT", "0") == "1",
+                   fast_launch=os.environ.get("EAGLEKV_TRITON_FAST_LAUNCH", "1") != "0")
+
+
+FLAGS = EnvFlags.from_env()
+
+
+def reload_env_flags() -> EnvFlags:
+    """Re-read the environment switches (tests, or a process that changes them late)."""
+    new = EnvFlags.from_env()
+    FLAGS.device_assert, FLAGS.fast_launch = new.device_assert, new.fast_launch
+    return FLAGS
+
+
 def device_assert_enabled() -> bool:
-    return os.environ.get("EAGLEKV_DEVICE_ASSERT", "0") == "1"
+    return FLAGS.device_assert
 
 
 @dataclass
@@ -31,6 +55,7 @@ class _Call:
     limit: int
     indices: torch.Tensor
     layer: int | None
+    dense: bool       # every entry of `indices` is addressed (not a table read in part)
 
 
 class KVGuard:
@@ -42,8 +67,9 @@ class KVGuard:
         self.calls: list[_Call] = []
         self.deferred = False
 
-    def register(self, op: str, limit: int, indices: torch.Tensor, layer: int | None) -> int:
-        self.calls.append(_Call(op, limit, indices, layer))
+    def register(self, op: str, limit: int, indices: torch.Tensor, layer: int | None,
+                 dense: bool = False) -> int:
+        self.calls.append(_Call(op, limit, indices, layer, dense))
         return len(self.calls) - 1
 
     @contextmanager
@@ -64,8 +90,12 @@ class KVGuard:
         self.err.copy_(torch.tensor([0, NO_ERROR], dtype=torch.int64))
         call = calls[key >> 32]
         pos = key & 0xFFFFFFFF
-        bad = int(call.indices.reshape(-1)[pos])
-        raise KVIndexError(call.op, bad, call.limit, count, call.indices.numel(), layer=call.layer)
+        flat = call.indices.reshape(-1)
+        bad = int(flat[pos])
+        # the device counts over the whole step; a dense call's own count is recomputed here
+        own = int(((flat < 0) | (flat >= call.limit)).sum()) if call.dense else count
+        raise KVIndexError(call.op, bad, call.limit, own, flat.numel(), layer=call.layer,
+                           step_bad=count)
 
     def after_launch(self) -> None:
         if not self.deferred:
@@ -94,7 +124,7 @@ def guard_indices(indices: torch.Tensor, limit: int, op: str, layer: int | None 
         check_indices(indices, limit, op, low)
         return indices
     guard = kv_guard(indices.device)
-    call_id = guard.register(op, limit, indices, layer)
+    call_id = guard.register(op, limit, indices, layer, dense=low == 0)
     flat = indices.reshape(-1)
     bad = (flat < low) | (flat >= limit)                                   # (n,)
     pos = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64)

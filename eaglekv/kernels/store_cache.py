@@ -85,6 +85,18 @@ def store_cache_torch(k, v, k_cache, v_cache, indices, *, row_bytes: int = 0, nu
     vc2.index_copy_(0, idx, v2)
 
 
+_TRITON_IMPL = None
+
+
+def _triton_impl():
+    """The Triton module, imported on first use (CPU-only installs never import Triton)."""
+    global _TRITON_IMPL
+    if _TRITON_IMPL is None:
+        from eaglekv.kernels import store_cache_triton
+        _TRITON_IMPL = store_cache_triton
+    return _TRITON_IMPL
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """CUDA tensors take the Triton kernel; CPU tensors only when the tests ask for the Triton
     interpreter (TRITON_INTERPRET=1 and EAGLEKV_TRITON_ON_CPU=1)."""
@@ -99,11 +111,17 @@ def store_cache(k, v, k_cache, v_cache, indices, *, row_bytes: int = 0, num_spli
     CPU (PyTorch path): raises `KVIndexError` before writing anything. CUDA (Triton): the bad
     rows are masked and the error is raised at the step's host sync (`kernels.guard`), or at
     once outside an engine step. `checked=False` (unchecked kernel) exists for benchmarks only.
+    Repeated calls with the same shapes skip the checks and Triton's dispatch (see
+    `store_cache_triton`); `EAGLEKV_TRITON_FAST_LAUNCH=0` turns that off.
     """
     if not use_triton(k):
         return store_cache_torch(k, v, k_cache, v_cache, indices, row_bytes=row_bytes,
                                  num_split=num_split, size_limit=size_limit)
-    from eaglekv.kernels.store_cache_triton import store_cache_triton
+    st = _triton_impl()
+    if st.fast_launch_enabled():
+        st.store_cache_triton_fast(k, v, k_cache, v_cache, indices, row_bytes, num_split,
+                                   size_limit, layer, checked, resolve_args)
+        return
     k2, v2, kc2, vc2, limit, split = resolve_args(k, v, k_cache, v_cache, indices, row_bytes,
                                                   num_split, size_limit)
-    store_cache_triton(k2, v2, kc2, vc2, indices, limit, split, check=checked, layer=layer)
+    st.store_cache_triton(k2, v2, kc2, vc2, indices, limit, split, check=checked, layer=layer)
