@@ -5,6 +5,8 @@ shapes)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -217,3 +219,30 @@ def test_fast_launch_off_gives_the_same(monkeypatch):
         reload_env_flags()
     assert FLAGS.fast_launch
     assert torch.equal(kc, rk) and torch.equal(vc, rv)
+
+
+_BAD_STORE = """
+import torch
+from eaglekv.kernels.store_cache import store_cache
+kc = torch.zeros(8, 64, device="cuda")
+k = torch.ones(2, 64, device="cuda")
+store_cache(k, k, kc, kc.clone(), torch.tensor([1, 9], device="cuda"))
+torch.cuda.synchronize()
+print("NO ASSERT")
+"""
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter ignores tl.device_assert")
+@pytest.mark.parametrize("assert_on", [True, False])
+def test_device_assert_switch(assert_on):
+    """EAGLEKV_DEVICE_ASSERT=1: a bad slot is a hard device assert (the process's CUDA context
+    dies, as with SGLang's guard); without it, the same store raises KVIndexError."""
+    env = {**os.environ, "EAGLEKV_DEVICE_ASSERT": "1" if assert_on else "0"}
+    r = subprocess.run([sys.executable, "-c", _BAD_STORE], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode != 0 and "NO ASSERT" not in r.stdout
+    if assert_on:
+        assert "device-side assert" in r.stderr or "Assertion" in r.stderr, r.stderr[-2000:]
+        assert "KVIndexError" not in r.stderr
+    else:
+        assert "KVIndexError: slot 9 out of range [0, 8)" in r.stderr, r.stderr[-2000:]

@@ -92,7 +92,8 @@ def store_cache_triton(k2, v2, kc2, vc2, indices, limit: int, split: int, *, che
     call_id = guard.register("store_cache", limit, indices, layer, dense=True) if check else 0
     grid, args = _launch_args(k2, v2, kc2, vc2, _flat_indices(indices), guard, call_id, limit,
                               split, check)
-    compiled = _store_cache_kernel[grid](*args)
+    # tl.device_assert is compiled in only with debug=True
+    compiled = _store_cache_kernel[grid](*args, debug=FLAGS.device_assert and check)
     if check:
         guard.after_launch()
     return compiled

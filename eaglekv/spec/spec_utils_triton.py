@@ -189,7 +189,7 @@ def assign_draft_cache_locs_triton(req_to_token, req_pool_indices, seq_lens, out
         pos_id << 32, B, R, W, K=topk, S=num_steps, PS=page_size, COPY=copy,
         BB=min(256, triton.next_power_of_2(B)), BKS=triton.next_power_of_2(topk * num_steps),
         BCP=triton.next_power_of_2(max(1, (topk - 1) * page_size)),
-        ASSERT=device_assert_enabled())
+        ASSERT=device_assert_enabled(), debug=device_assert_enabled())  # assert needs debug
     guard.after_launch()
 
 
@@ -217,5 +217,5 @@ def generate_draft_decode_kv_indices_triton(req_to_token, req_pool_indices, seq_
         kv_indptr.stride(0), kv_indptr.stride(1), pos, guard.err, row_id << 32, pos_id << 32,
         slot_id << 32, B, R, W, kv_indices.shape[1], size_limit, K=topk, S=num_steps,
         PS=page_size, BS=triton.next_power_of_2(num_steps), BLOCK=DECODE_BLOCK,
-        ASSERT=device_assert_enabled())
+        ASSERT=device_assert_enabled(), debug=device_assert_enabled())  # assert needs debug
     guard.after_launch()
