@@ -246,3 +246,89 @@ def test_device_assert_switch(assert_on):
         assert "KVIndexError" not in r.stderr
     else:
         assert "KVIndexError: slot 9 out of range [0, 8)" in r.stderr, r.stderr[-2000:]
+
+
+class _InterpretedLaunch:
+    """Stands in for a CompiledKernel on CPU: its launcher runs the kernel under the Triton
+    interpreter with exactly the arguments the cached launch passes."""
+
+    function, packed_metadata = 0, None
+
+    def __init__(self):
+        self.launches = 0
+
+    def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter, exit_, *args):
+        from eaglekv.kernels.store_cache_triton import _store_cache_kernel
+        assert (g2, launch_metadata, enter, exit_) == (1, None, None, None)
+        self.launches += 1
+        _store_cache_kernel[(g0, g1)](*args)
+
+
+@pytest.fixture
+def interpreted_fast_launch(monkeypatch):
+    """On CPU, make the miss path hand back a launcher so that the hit path runs too."""
+    if ON_GPU:
+        pytest.skip("the GPU runs the real cached launch in the tests above")
+    from eaglekv.kernels import store_cache_triton as st
+    fake = _InterpretedLaunch()
+    real = st.store_cache_triton
+
+    def full_path(*args, **kwargs):
+        real(*args, **kwargs)
+        return fake
+
+    monkeypatch.setattr(st, "store_cache_triton", full_path)
+    monkeypatch.setattr(st, "_RAW_STREAM", lambda device: 0)
+    monkeypatch.setattr(st, "_LAUNCHES", {})
+    return st, fake
+
+
+def test_cached_launch_on_cpu_matches_and_guards(interpreted_fast_launch):
+    st, fake = interpreted_fast_launch
+    kc, vc = caches(48, 3, 16, torch.float32)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        k, v = torch.randn(5, 3, 16, generator=g), torch.randn(5, 3, 16, generator=g)
+        idx = torch.randperm(48, generator=g)[:5]
+        rk, rv = reference_store(k, v, kc, vc, idx)
+        store_cache(k, v, kc, vc, idx, layer=1)
+        assert torch.equal(kc, rk) and torch.equal(vc, rv)
+    assert fake.launches == 2 and len(st._LAUNCHES) == 1     # call 1 full path, 2 and 3 hits
+    before = kc.clone()
+    k = torch.full((5, 3, 16), 7.0)
+    with pytest.raises(KVIndexError, match=r"slot 48 out of range \[0, 48\) in store_cache "
+                                           r"\(layer 6, 2 of 5 indices bad\)"):
+        store_cache(k, k, kc, vc, torch.tensor([0, 48, 2, -3, 4]), layer=6)
+    assert fake.launches == 3                                 # the bad call was a hit too
+    changed = (kc != before).any(-1).any(-1).nonzero().view(-1).tolist()
+    assert changed == [0, 2, 4]
+
+
+def test_cached_launch_signature_on_cpu(interpreted_fast_launch, monkeypatch):
+    """A new alignment, a view that needs a copy, or an active launch hook never reuse a
+    launch; the cache is bounded."""
+    st, fake = interpreted_fast_launch
+    kc, vc = caches(40, 1, 64, torch.float32)
+    base = torch.randn(4 * 130 + 1)
+    idx = torch.tensor([3, 17, 30, 39])
+    aligned, shifted = base[:256].view(4, 1, 64), base[1:257].view(4, 1, 64)
+    for k in (aligned, shifted, aligned, shifted):
+        rk, rv = reference_store(k, k, kc, vc, idx)
+        store_cache(k, k, kc, vc, idx)
+        assert torch.equal(kc, rk) and torch.equal(vc, rv)
+    assert fake.launches == 2                  # one hit each for aligned and shifted
+    kc2, vc2 = caches(40, 2, 32, torch.float32)
+    copied = base[:520].view(4, 130)[:, :128].reshape(4, 2, 64)[:, :, :32]  # (4, 2, 32)
+    for _ in range(2):                         # heads 64 apart, 32 wide: (4, 64) needs a copy
+        rk, rv = reference_store(copied, copied, kc2, vc2, idx)
+        store_cache(copied, copied, kc2, vc2, idx)
+        assert torch.equal(kc2, rk) and torch.equal(vc2, rv)
+    assert fake.launches == 2 and sum(x is not None for x in st._LAUNCHES.values()) == 2
+    hook = type("Hook", (), {"calls": [print]})()
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", hook)
+    store_cache(aligned, aligned, kc, vc, idx)
+    assert fake.launches == 2                  # a profiler hook: the full path
+    monkeypatch.setattr(st, "_MAX_LAUNCHES", 3)
+    for n in (1, 2, 3):
+        store_cache(aligned[:n], aligned[:n], kc, vc, idx[:n])
+    assert len(st._LAUNCHES) <= 3
