@@ -1,4 +1,5 @@
-"""The `eaglekv` command: `generate` a completion, or `bench` against HF transformers."""
+"""The `eaglekv` command: `generate` a completion, `serve` the OpenAI API, or `bench` against
+HF transformers."""
 
 from __future__ import annotations
 
@@ -50,6 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=s.top_k)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stream", action="store_true", help="print tokens as they come")
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
+                       "/v1/chat/completions, /metrics)")
+    _engine_args(v)
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--served-model-name", default=None,
+                   help="the `model` clients must send (default: --model)")
+    v.add_argument("--max-running-requests", type=int, default=EngineConfig().max_running_requests)
+    v.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens of a chat request that does not set it")
     b = sub.add_parser("bench", help="eaglekv vs HF transformers greedy tokens/s, JSON out")
     _engine_args(b)
     b.add_argument("--new-tokens", type=int, default=128)
@@ -93,6 +104,25 @@ def cmd_generate(args) -> None:
           f"{spec}", file=sys.stderr)
 
 
+def cmd_serve(args) -> None:
+    import uvicorn
+
+    from eaglekv.engine import Engine
+    from eaglekv.server import EngineLoop, create_app
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                 page_size=args.page_size, max_total_tokens=args.max_total_tokens,
+                                 max_running_requests=args.max_running_requests,
+                                 speculative=spec_from_args(args)))
+    loop = EngineLoop(engine).start()
+    app = create_app(loop, args.served_model_name or args.model, args.default_max_tokens)
+    print(f"[eaglekv] serving {args.model} on http://{args.host}:{args.port}/v1 "
+          f"(speculative: {args.spec})", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        loop.shutdown()
+
+
 def cmd_bench(args) -> None:
     from eaglekv.bench.e2e import main as bench_main
     args.command_line = "eaglekv " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -102,7 +132,7 @@ def cmd_bench(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "bench": cmd_bench}[args.cmd](args)
+        {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench}[args.cmd](args)
     except EaglekvError as e:
         print(f"eaglekv: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

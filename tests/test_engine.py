@@ -237,3 +237,22 @@ def test_missing_and_mismatched_models(tmp_path, tiny_dir):
     (bad / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(ModelLoadError, match="unsupported architecture model_type='gpt2'"):
         tiny_engine(bad)
+
+
+def test_abort_running_and_waiting_frees_everything(tiny_dir):
+    """Engine.abort (a client went away): a running and a queued request both end with
+    finish_reason 'abort', the other request is untouched, and the pool is back to full."""
+    eng = tiny_engine(tiny_dir, max_running_requests=2)
+    p = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ref = eng.generate([[5, 6, 7]], p)[0].token_ids
+    a, b, c = (eng.add_request(ids, p) for ids in ([1, 2, 3, 4], [5, 6, 7], [9, 9]))
+    eng.step()                               # a and b run, c waits (two rows)
+    assert c in eng.waiting and a in eng.running
+    eng.abort(a)
+    eng.abort(c)
+    eng.abort(c)                             # twice: a no-op
+    assert (a.finish_reason, c.finish_reason) == ("abort", "abort")
+    while eng.has_unfinished():
+        eng.step()
+    assert b.output_ids == ref
+    eng.check_memory()

@@ -123,6 +123,17 @@ class Engine:
         self.waiting.append(req)
         return req
 
+    def abort(self, req: Req) -> None:
+        """Stop a request between steps (a client went away) and free its KV and row."""
+        if req.finished:
+            return
+        req.finish_reason = "abort"
+        if req in self.waiting:
+            self.waiting.remove(req)
+            self._release(req)     # a preempted request holds nothing; a fresh one neither
+        elif req in self.running:
+            self._finish(req)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

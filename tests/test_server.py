@@ -1,0 +1,242 @@
+"""The OpenAI-compatible server, driven by the official `openai` client over real HTTP
+(uvicorn on a free port) on SmolLM2: greedy answers equal the engine's own, streams add up to
+the same text, concurrent streams stay apart, a client that leaves frees its KV, bad input gets
+an OpenAI-style 400, and the engine is back to empty after every scenario."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from eaglekv.config import SamplingParams  # noqa: E402
+from eaglekv.errors import KVIndexError  # noqa: E402
+from eaglekv.server import EngineLoop, create_app  # noqa: E402
+
+MODEL = "smollm2"
+pytestmark = pytest.mark.slow
+
+
+class Server:
+    def __init__(self, engine, name=MODEL):
+        self.loop = EngineLoop(engine).start()
+        self.app = create_app(self.loop, name, default_max_tokens=24)
+        self.uv = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0,
+                                                log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.uv.started:
+            assert time.time() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        port = self.uv.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def on_engine(self, fn):
+        return self.loop.call(fn).result(timeout=300)
+
+    def wait_idle(self, timeout=60):
+        deadline = time.time() + timeout
+        while self.on_engine(lambda e: e.has_unfinished()):
+            assert time.time() < deadline, "requests still running"
+            time.sleep(0.05)
+        self.on_engine(lambda e: e.check_memory())   # allocator full, table consistent
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self):
+        self.uv.should_exit = True
+        self.thread.join(timeout=30)
+        self.loop.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(smol_engine):
+    s = Server(smol_engine)
+    yield s
+    s.wait_idle()
+    s.stop()
+
+
+def reference(server, prompt, n: int) -> str:
+    out = server.on_engine(lambda e: e.generate([prompt], SamplingParams(max_new_tokens=n))[0])
+    return out
+
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+def test_models_and_health(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+
+
+def test_completion_greedy_equals_engine(server):
+    ref = reference(server, PROMPT, 20)
+    r = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20,
+                                         temperature=0)
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    ids = ref.prompt_token_ids                        # token-id prompts give the same answer
+    r2 = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=20, temperature=0)
+    assert r2.choices[0].text == ref.text
+    server.wait_idle()
+
+
+def test_chat_greedy_and_stream_equal_engine(server):
+    ref = server.on_engine(lambda e: e.chat(CHAT, SamplingParams(max_new_tokens=24))[0])
+    r = server.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0)
+    assert r.choices[0].message.content == ref.text       # default_max_tokens=24
+    assert r.choices[0].message.role == "assistant"
+    chunks = list(server.client.chat.completions.create(
+        model=MODEL, messages=CHAT, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    server.wait_idle()
+
+
+def test_concurrent_streams_stay_apart(server):
+    prompts = ["One, two, three,", "The sky is", "def fibonacci(n):", "Water boils at"]
+    refs = [reference(server, p, 16).text for p in prompts]
+    got = [None] * len(prompts)
+
+    def run(i):
+        s = server.client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=16,
+                                             temperature=0, stream=True)
+        got[i] = "".join(c.choices[0].text for c in s)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert got == refs
+    server.wait_idle()
+
+
+def test_seeded_sampling_n_choices(server):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, n=3, seed=11)
+    a = server.client.completions.create(**kw)
+    b = server.client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]   # seeded: reproducible
+    assert len({c.text for c in a.choices}) > 1                          # seed + i per choice
+    assert a.usage.prompt_tokens == len(reference(server, PROMPT, 1).prompt_token_ids)
+    server.wait_idle()
+
+
+def test_client_disconnect_frees_kv(server):
+    aborted = server.metric('eaglekv_requests_total{endpoint="completions",status="aborted"}')
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break                                  # one chunk, then hang up
+    server.wait_idle(timeout=10)   # 2000 tokens would take minutes here: it was aborted
+    assert server.metric('eaglekv_requests_total{endpoint="completions",status="aborted"}') \
+        == aborted + 1
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_tokens=0), "max_tokens=0 must be >= 1"),
+    (dict(temperature=-1.0), "temperature=-1.0 must be >= 0"),
+    (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+    (dict(max_tokens=100000), "exceeds max_context_len"),
+    (dict(logprobs=2), "logprobs=2 is not supported"),
+    (dict(n=2, stream=True), "n=2 with stream=true is not supported"),
+    (dict(presence_penalty=0.5), "presence_penalty=0.5 is not supported"),
+    (dict(extra_body={"beam_width": 4}), "unknown field 'beam_width'"),
+    (dict(prompt=[70000]), r"prompt token id 70000 outside the vocabulary"),
+])
+def test_bad_requests_get_openai_400(server, kwargs, match):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=4) | kwargs
+    with pytest.raises(openai.BadRequestError, match=match) as e:
+        server.client.completions.create(**kw)
+    assert e.value.status_code == 400
+    err = e.value.body
+    assert err["type"] == "invalid_request_error" and err["code"] == 400
+    server.wait_idle()
+
+
+def test_unknown_model_404_and_chat_validation(server):
+    with pytest.raises(openai.NotFoundError, match="model 'gpt-4' does not exist"):
+        server.client.chat.completions.create(model="gpt-4", messages=CHAT)
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400 and "messages.0.role" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_failed_batch_is_500_then_the_server_serves(server):
+    """An index error inside a step fails that batch with a 500; the next request is fine."""
+    def break_next_forward(engine):
+        real = engine.model.forward
+
+        def forward(*a, **k):
+            engine.model.forward = real
+            raise KVIndexError("store_cache", 99999, 4112, 1, 1, layer=3)
+        engine.model.forward = forward
+    server.on_engine(break_next_forward)
+    with pytest.raises(openai.InternalServerError, match="slot 99999 out of range"):
+        server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                         temperature=0)
+    server.wait_idle()
+    r = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
+                                         temperature=0)
+    assert r.choices[0].text == reference(server, PROMPT, 8).text
+
+
+def test_metrics_count_tokens(server):
+    before = server.metric("eaglekv_generation_tokens_total")
+    r = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=9,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 9
+    assert server.metric("eaglekv_generation_tokens_total") == before + 9
+    assert server.metric("eaglekv_num_requests_running") == 0
+    assert "spec" not in r.model_extra                  # plain decoding: no spec stats
+
+
+def test_speculative_server_is_lossless(server):
+    """A second server with EAGLE and the shipped draft: greedy answers equal the plain
+    engine's, streamed or not, and the response and /metrics carry the accept length."""
+    from eaglekv import Engine, EngineConfig
+    from eaglekv.config import SpecConfig
+    ref = server.on_engine(lambda e: e.chat(CHAT, SamplingParams(max_new_tokens=24))[0])
+    ref_c = reference(server, PROMPT, 20)
+    spec = Server(Engine(EngineConfig(model="default", max_total_tokens=4096,
+                                      max_running_requests=2,
+                                      speculative=SpecConfig(algorithm="eagle",
+                                                             draft_model="default"))))
+    try:
+        r = spec.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0)
+        assert r.choices[0].message.content == ref.text
+        st = r.model_extra["spec"]
+        assert st["verify_steps"] >= 1
+        assert st["accept_length_mean"] == pytest.approx(
+            (st["accepted_tokens"] + st["verify_steps"]) / st["verify_steps"])
+        stream = spec.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20,
+                                                temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in stream) == ref_c.text
+        assert spec.metric("eaglekv_spec_verify_steps_total") >= st["verify_steps"]
+        spec.wait_idle()
+    finally:
+        spec.stop()
