@@ -155,6 +155,18 @@ def test_client_disconnect_frees_kv(server):
         == aborted + 1
 
 
+def test_client_disconnect_non_streaming_frees_kv(server):
+    """A non-streaming client that gives up (here a 2 s read timeout) is noticed too."""
+    aborted = server.metric('eaglekv_requests_total{endpoint="chat",status="aborted"}')
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2000, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=2)
+    server.wait_idle(timeout=10)
+    assert server.metric('eaglekv_requests_total{endpoint="chat",status="aborted"}') \
+        == aborted + 1
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_tokens=0), "max_tokens=0 must be >= 1"),
     (dict(temperature=-1.0), "temperature=-1.0 must be >= 0"),

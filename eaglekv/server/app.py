@@ -10,7 +10,7 @@ import json
 import time
 import uuid
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
@@ -116,6 +116,10 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
     async def _no_model(_, exc: ModelNotFound):
         return error_body(404, str(exc), "invalid_request_error", "model")
 
+    async def wait_disconnect(request: Request, every: float = 0.2) -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(every)
+
     def check_model(name: str) -> None:
         if name != model_name:
             raise ModelNotFound(f"model '{name}' does not exist; this server serves "
@@ -133,9 +137,23 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
             raise
         return streams
 
-    async def collect(streams: list[Stream], endpoint: str) -> list[Output]:
+    async def collect(streams: list[Stream], endpoint: str, request: Request):
+        """All outputs of a non-streaming request; None if the client went away first (then
+        its requests are aborted and their KV freed)."""
+        results = asyncio.ensure_future(asyncio.gather(*(s.result() for s in streams)))
+        watcher = asyncio.ensure_future(wait_disconnect(request))
         try:
-            outputs = await asyncio.gather(*(s.result() for s in streams))
+            await asyncio.wait([results, watcher], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not results.done():
+            results.cancel()
+            for s in streams:
+                loop.abort(s)
+            metrics.requests.labels(endpoint, "aborted").inc()
+            return None
+        try:
+            outputs = results.result()
         except BaseException:
             for s in streams:
                 loop.abort(s)
@@ -208,7 +226,7 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
                                  media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         body.refuse_unsupported()
         prompts = body.prompts()
@@ -227,13 +245,16 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
             include = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(sse(streams[0], "completions", chunk, include),
                                      media_type="text/event-stream")
-        outputs = await collect(streams, "completions")
+        outputs = await collect(streams, "completions", request)
+        if outputs is None:
+            return JSONResponse(status_code=499, content=error_json(499, "client closed the "
+                                "request", "aborted"))
         return response(rid, "text_completion", created, outputs, body.n,
                         [chunk(o.text, o.finish_reason, i)["choices"][0]
                          for i, o in enumerate(outputs)])
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         body.refuse_unsupported()
         engine = loop.engine
@@ -255,7 +276,10 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             return StreamingResponse(sse(streams[0], "chat", chunk, include, first),
                                      media_type="text/event-stream")
-        outputs = await collect(streams, "chat")
+        outputs = await collect(streams, "chat", request)
+        if outputs is None:
+            return JSONResponse(status_code=499, content=error_json(499, "client closed the "
+                                "request", "aborted"))
         return response(rid, "chat.completion", created, outputs, body.n,
                         [{"index": i, "message": {"role": "assistant", "content": o.text},
                           "logprobs": None, "finish_reason": o.finish_reason}
