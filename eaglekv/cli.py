@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-running-requests", type=int, default=EngineConfig().max_running_requests)
     v.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of a chat request that does not set it")
+    bs = sub.add_parser("bench-serve", help="the OpenAI server under concurrent clients vs the "
+                        "engine called directly, JSON out")
+    _engine_args(bs)
+    bs.add_argument("--max-running-requests", type=int, default=4)
+    bs.add_argument("--max-tokens", type=int, default=48)
+    bs.add_argument("--concurrency", default="1,4", help="comma-separated client counts")
+    bs.add_argument("--out", default=None, help="also write the JSON here")
     b = sub.add_parser("bench", help="eaglekv vs HF transformers greedy tokens/s, JSON out")
     _engine_args(b)
     b.add_argument("--new-tokens", type=int, default=128)
@@ -123,6 +130,12 @@ def cmd_serve(args) -> None:
         loop.shutdown()
 
 
+def cmd_bench_serve(args) -> None:
+    from eaglekv.bench.serve import main as bench_main
+    args.command_line = "eaglekv " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    bench_main(args)
+
+
 def cmd_bench(args) -> None:
     from eaglekv.bench.e2e import main as bench_main
     args.command_line = "eaglekv " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -132,7 +145,8 @@ def cmd_bench(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench}[args.cmd](args)
+        {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench,
+         "bench-serve": cmd_bench_serve}[args.cmd](args)
     except EaglekvError as e:
         print(f"eaglekv: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -16,30 +16,16 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from eaglekv.config import SamplingParams  # noqa: E402
 from eaglekv.errors import KVIndexError  # noqa: E402
-from eaglekv.server import EngineLoop, create_app  # noqa: E402
+from eaglekv.server.local import LocalServer  # noqa: E402
 
 MODEL = "smollm2"
 pytestmark = pytest.mark.slow
 
 
-class Server:
+class Server(LocalServer):
     def __init__(self, engine, name=MODEL):
-        self.loop = EngineLoop(engine).start()
-        self.app = create_app(self.loop, name, default_max_tokens=24)
-        self.uv = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0,
-                                                log_level="warning"))
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.uv.started:
-            assert time.time() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        port = self.uv.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        super().__init__(engine, name, default_max_tokens=24)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
-
-    def on_engine(self, fn):
-        return self.loop.call(fn).result(timeout=300)
 
     def wait_idle(self, timeout=60):
         deadline = time.time() + timeout
@@ -56,11 +42,6 @@ class Server:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
-    def stop(self):
-        self.uv.should_exit = True
-        self.thread.join(timeout=30)
-        self.loop.shutdown()
-
 
 @pytest.fixture(scope="module")
 def server(smol_engine):
@@ -70,13 +51,19 @@ def server(smol_engine):
     s.stop()
 
 
-def reference(server, prompt, n: int) -> str:
+def reference(server, prompt, n: int):
     out = server.on_engine(lambda e: e.generate([prompt], SamplingParams(max_new_tokens=n))[0])
     return out
 
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+def test_one_loop_per_engine(server):
+    from eaglekv.server import EngineLoop
+    with pytest.raises(RuntimeError, match="already driven by a running EngineLoop"):
+        EngineLoop(server.loop.engine)
 
 
 def test_models_and_health(server):
@@ -252,3 +239,4 @@ def test_speculative_server_is_lossless(server):
         spec.wait_idle()
     finally:
         spec.stop()
+

@@ -67,6 +67,11 @@ class Stream:
 
 class EngineLoop:
     def __init__(self, engine, on_step=None):
+        owner = getattr(engine, "_engine_loop", None)
+        if owner is not None and not owner._stop.is_set():
+            raise RuntimeError("this engine is already driven by a running EngineLoop; "
+                               "shut that one down first (one thread may step an engine)")
+        engine._engine_loop = self
         self.engine = engine
         self.on_step = on_step            # called on the engine thread after every step
         self._inbox: queue.Queue = queue.Queue()
@@ -82,7 +87,10 @@ class EngineLoop:
     def shutdown(self) -> None:
         self._stop.set()
         self._inbox.put(None)
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        if getattr(self.engine, "_engine_loop", None) is self:
+            self.engine._engine_loop = None
 
     def call(self, fn) -> concurrent.futures.Future:
         """Run `fn(engine)` on the engine thread, between steps."""
