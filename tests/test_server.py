@@ -240,3 +240,28 @@ def test_speculative_server_is_lossless(server):
     finally:
         spec.stop()
 
+
+
+def test_eaglekv_serve_command():
+    """The command users run: `eaglekv serve` in its own process answers the openai client and
+    stops cleanly on SIGINT."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "eaglekv.cli", "serve", "--port", "0",
+                             "--served-model-name", "smol", "--max-total-tokens", "2048"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        url, deadline = None, time.time() + 120
+        while url is None:
+            assert time.time() < deadline and proc.poll() is None, "server did not start"
+            m = re.search(r"Uvicorn running on (http://\S+)", proc.stderr.readline())
+            url = m and m.group(1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        r = client.completions.create(model="smol", prompt=PROMPT, max_tokens=5, temperature=0)
+        assert r.usage.completion_tokens == 5 or r.choices[0].finish_reason == "stop"
+        assert r.choices[0].text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
