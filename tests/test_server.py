@@ -204,6 +204,27 @@ def test_failed_batch_is_500_then_the_server_serves(server):
     assert r.choices[0].text == reference(server, PROMPT, 8).text
 
 
+def test_unexpected_error_is_an_openai_500(server):
+    """A bug inside a handler (here a chat template that raises) is a JSON 500, and the next
+    request is served."""
+    def break_template(engine):
+        real = engine.apply_chat_template
+
+        def template(conv):
+            engine.apply_chat_template = real
+            raise ValueError("template exploded")
+        engine.apply_chat_template = template
+    server.on_engine(break_template)
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT})
+    assert r.status_code == 500
+    assert r.json()["error"] == {"message": "ValueError: template exploded",
+                                 "type": "internal_error", "param": None, "code": 500}
+    ok = server.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0,
+                                               max_tokens=3)
+    assert ok.choices[0].message.content
+    server.wait_idle()
+
+
 def test_metrics_count_tokens(server):
     before = server.metric("eaglekv_generation_tokens_total")
     r = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=9,

@@ -112,6 +112,10 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
             return error_body(500, f"{type(exc).__name__}: {exc}", "internal_error")
         return error_body(400, f"{type(exc).__name__}: {exc}", "invalid_request_error")
 
+    @app.exception_handler(Exception)
+    async def _crash(_, exc: Exception):   # a bug, not the client's fault: still a JSON body
+        return error_body(500, f"{type(exc).__name__}: {exc}", "internal_error")
+
     @app.exception_handler(ModelNotFound)
     async def _no_model(_, exc: ModelNotFound):
         return error_body(404, str(exc), "invalid_request_error", "model")
@@ -261,7 +265,8 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
         if engine.tokenizer is None:
             raise RequestRefused("this model has no tokenizer, so no chat template; use "
                                  "/v1/completions with token ids", "messages")
-        ids = engine.apply_chat_template(body.conversation())
+        conversation = body.conversation()   # tokenized on the engine thread, like prompts
+        ids = await asyncio.wrap_future(loop.call(lambda e: e.apply_chat_template(conversation)))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         streams = await submit_all([ids], body, default_max_tokens)
 
