@@ -281,3 +281,4 @@ def test_context_edge_and_single_token(tiny_dir):
         assert eng.generate(prompt, sp)[0].token_ids == plain.generate(prompt, sp)[0].token_ids
     eng.check_memory()
     assert eng.allocator.is_full()
+

@@ -217,3 +217,24 @@ def test_checkpoint_of_another_family_is_refused_at_engine_start(deep_dir, tmp_p
         out = eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=12))[0]
         assert out.token_ids == ref.token_ids
         eng.check_memory()
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "multi_layer_eagle"])
+@pytest.mark.parametrize("ps", [1, 4])
+def test_abort_mid_speculation_frees_everything(deep_dir, deep_reference, algorithm, ps):
+    """A client that leaves between speculative steps (Engine.abort): its target and draft KV
+    are freed, the other requests stay lossless, and the pool is back to full."""
+    eng = tiny_engine(deep_dir, page_size=ps, speculative=spec(algorithm),
+                      max_running_requests=2)
+    p = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    reqs = [eng.add_request(ids, p) for ids in PROMPTS[:3]]   # the third waits for a row
+    for _ in range(3):
+        eng.step()
+    assert reqs[0] in eng.running and reqs[2] in eng.waiting
+    eng.abort(reqs[0])                                       # mid-speculation
+    eng.abort(reqs[2])                                       # still queued
+    while eng.has_unfinished():
+        eng.step()
+    assert reqs[0].finish_reason == reqs[2].finish_reason == "abort"
+    assert reqs[1].output_ids == deep_reference[1][:30]
+    eng.check_memory()
