@@ -171,5 +171,52 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def overhead(out_dir: str, rounds: int = 21) -> None:
+    """Checked vs unchecked alone, over the >= 8192 rows x >= 2 KiB region: `rounds`
+    alternating do_bench pairs per point; the median of the per-round ratios, with its
+    spread (the 25th-75th percentile). Usage: python3 bench/store_cache.py DIR --overhead"""
+    dev, dtype = "cuda", torch.bfloat16
+    guard = kv_guard(dev)
+    points = []
+    for rb in (2048, 4096):
+        elems = rb // 2
+        kc = torch.zeros(SLOTS, elems, dtype=dtype, device=dev)
+        vc = torch.zeros_like(kc)
+        for n in (8192, 16384, 32768, 65536):
+            k = torch.randn(n, elems, device=dev).to(dtype)
+            v = torch.randn(n, elems, device=dev).to(dtype)
+            idx = torch.randperm(SLOTS, device=dev)[:n].to(torch.int64)
+            ratios = []
+            with guard.step():
+                for r in range(rounds):
+                    pair = [lambda: store_cache(k, v, kc, vc, idx),
+                            lambda: store_cache(k, v, kc, vc, idx, checked=False)]
+                    order = pair if r % 2 == 0 else pair[::-1]   # alternate who goes first
+                    t = [triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
+                         for fn in order]
+                    chk, unchk = (t[0], t[1]) if r % 2 == 0 else (t[1], t[0])
+                    ratios.append(chk / unchk)
+                    guard.calls.clear()
+            guard.raise_if_error()
+            q = statistics.quantiles(ratios, n=4)
+            points.append({"rows": n, "row_bytes": rb, "rounds": rounds,
+                           "checked_vs_unchecked_median": statistics.median(ratios),
+                           "p25": q[0], "p75": q[2]})
+            print(json.dumps(points[-1]), flush=True)
+    doc = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "dtype": "bfloat16",
+           "command": "PYTHONPATH=. python3 bench/store_cache.py bench/results --overhead",
+           "max_median": max(p["checked_vs_unchecked_median"] for p in points),
+           "points": points}
+    with open(os.path.join(out_dir, "store_cache_overhead_h200.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "bench/results")
+    out = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else \
+        "bench/results"
+    if "--overhead" in sys.argv:
+        overhead(out)
+    else:
+        main(out)

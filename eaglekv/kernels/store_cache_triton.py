@@ -45,21 +45,24 @@ def _store_cache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, idx_ptr, err_ptr, call_id,
     start = part * chunk
     for off in range(0, chunk, BLOCK):
         cols = start + off + tl.arange(0, BLOCK)                          # (BLOCK,)
-        m = ok[:, None] & (cols[None, :] < start + chunk)                 # (TOK, BLOCK)
-        kx = tl.load(k_ptr + toks[:, None] * k_s0 + cols[None, :] * k_s1, mask=m)
-        vx = tl.load(v_ptr + toks[:, None] * v_s0 + cols[None, :] * v_s1, mask=m)
-        tl.store(kc_ptr + slot[:, None] * kc_s0 + cols[None, :], kx, mask=m)
-        tl.store(vc_ptr + slot[:, None] * vc_s0 + cols[None, :], vx, mask=m)
+        cm = cols[None, :] < start + chunk                                # (1, BLOCK)
+        # the loads do not wait for the slot check (one DRAM latency per program otherwise);
+        # only the stores, whose address is the slot anyway, are masked by it
+        lm = tmask[:, None] & cm                                          # (TOK, BLOCK)
+        sm = ok[:, None] & cm
+        kx = tl.load(k_ptr + toks[:, None] * k_s0 + cols[None, :] * k_s1, mask=lm)
+        vx = tl.load(v_ptr + toks[:, None] * v_s0 + cols[None, :] * v_s1, mask=lm)
+        tl.store(kc_ptr + slot[:, None] * kc_s0 + cols[None, :], kx, mask=sm)
+        tl.store(vc_ptr + slot[:, None] * vc_s0 + cols[None, :], vx, mask=sm)
     if CHECK:
-        # report after the copy, so the reduction never delays the loads. Count once per
-        # token: only the part-0 programs report (vector compare, no scalar mask)
-        first_part = (tl.zeros([TOK], dtype=tl.int32) + part) == 0
-        bad = tmask & (~ok) & first_part
-        num_bad = tl.sum(bad.to(tl.int32), axis=0)
-        if num_bad > 0:
-            tl.atomic_add(err_ptr, num_bad.to(tl.int64))
-            first = tl.min(tl.where(bad, toks, n_tokens), axis=0)
-            tl.atomic_min(err_ptr + 1, first + (call_id.to(tl.int64) << 32))  # key = id*2^32+pos
+        # report after the copy, without a reduction: each bad token (counted once, by the
+        # part-0 program) issues its own masked atomics; on the normal path they are all
+        # predicated off. Vector pointers and masks (the interpreter refuses scalar + vector).
+        zero = tl.zeros([TOK], dtype=tl.int32)
+        bad = tmask & (~ok) & ((zero + part) == 0)                            # (TOK,)
+        tl.atomic_add(err_ptr + zero, tl.full([TOK], 1, tl.int64), mask=bad)
+        key = toks + (call_id.to(tl.int64) << 32)                             # id*2^32 + pos
+        tl.atomic_min(err_ptr + 1 + zero, key, mask=bad)
 
 
 def _launch_args(k2, v2, kc2, vc2, flat, guard: KVGuard, call_id: int, limit: int, split: int,
