@@ -204,6 +204,26 @@ def test_failed_batch_is_500_then_the_server_serves(server):
     assert r.choices[0].text == reference(server, PROMPT, 8).text
 
 
+def test_crash_inside_a_step_fails_its_requests_then_serves(server):
+    """Not an index error but a bug (here a RuntimeError out of the model): the requests in
+    flight get a 500, their KV is freed, the engine thread lives on."""
+    def break_next_forward(engine):
+        real = engine.model.forward
+
+        def forward(*a, **k):
+            engine.model.forward = real
+            raise RuntimeError("kernel exploded")
+        engine.model.forward = forward
+    server.on_engine(break_next_forward)
+    with pytest.raises(openai.InternalServerError, match="RuntimeError: kernel exploded"):
+        server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                         temperature=0)
+    server.wait_idle()
+    r = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
+                                         temperature=0)
+    assert r.choices[0].text == reference(server, PROMPT, 8).text
+
+
 def test_unexpected_error_is_an_openai_500(server):
     """A bug inside a handler (here a chat template that raises) is a JSON 500, and the next
     request is served."""

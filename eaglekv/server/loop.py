@@ -101,6 +101,8 @@ class EngineLoop:
     # ---- asyncio side ----------------------------------------------------------------------
     async def submit(self, prompt, params: SamplingParams) -> Stream:
         """Queue a request; raises the engine's RequestError here if it is refused."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the engine thread is not running")
         stream = Stream(asyncio.get_running_loop())
 
         def add(engine):
@@ -125,21 +127,34 @@ class EngineLoop:
             self._drain(block=not self.engine.has_unfinished())
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
-            error = None
             try:
-                self.engine.step()
-            except KVIndexError as e:   # the engine failed that batch's requests and goes on
-                log.error("step failed: %s", e)
-                error = e
-            except Exception as e:      # anything else: fail every request, keep the thread
-                log.exception("engine step crashed")
-                error = e
-                for req, _ in list(self._streams.values()):
-                    self.engine.abort(req)
-                    req.finish_reason = "error"
-            self._publish(error)
-            if self.on_step is not None:
-                self.on_step(self.engine)
+                self._step()
+            except Exception as e:      # a bug outside the step itself: fail what is in
+                log.exception("engine loop iteration crashed")   # flight, keep the thread
+                self._fail_all(e)
+
+    def _step(self) -> None:
+        error = None
+        try:
+            self.engine.step()
+        except KVIndexError as e:       # the engine failed that batch's requests and goes on
+            log.error("step failed: %s", e)
+            error = e
+        except Exception as e:          # anything else: fail every request in flight
+            log.exception("engine step crashed")
+            self._fail_all(e)
+            return
+        self._publish(error)
+        if self.on_step is not None:
+            self.on_step(self.engine)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid, (req, stream) in list(self._streams.items()):
+            try:
+                self.engine.abort(req)
+            finally:
+                stream.put(Failed(error))
+                del self._streams[rid]
 
     def _drain(self, block: bool) -> None:
         try:
