@@ -185,16 +185,21 @@ def test_unknown_model_404_and_chat_validation(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
-def test_failed_batch_is_500_then_the_server_serves(server):
-    """An index error inside a step fails that batch with a 500; the next request is fine."""
-    def break_next_forward(engine):
+def break_next_forward(server, error: Exception) -> None:
+    """The engine's next model forward raises `error` (once)."""
+    def patch(engine):
         real = engine.model.forward
 
         def forward(*a, **k):
             engine.model.forward = real
-            raise KVIndexError("store_cache", 99999, 4112, 1, 1, layer=3)
+            raise error
         engine.model.forward = forward
-    server.on_engine(break_next_forward)
+    server.on_engine(patch)
+
+
+def test_failed_batch_is_500_then_the_server_serves(server):
+    """An index error inside a step fails that batch with a 500; the next request is fine."""
+    break_next_forward(server, KVIndexError("store_cache", 99999, 4112, 1, 1, layer=3))
     with pytest.raises(openai.InternalServerError, match="slot 99999 out of range"):
         server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
                                          temperature=0)
@@ -207,14 +212,7 @@ def test_failed_batch_is_500_then_the_server_serves(server):
 def test_crash_inside_a_step_fails_its_requests_then_serves(server):
     """Not an index error but a bug (here a RuntimeError out of the model): the requests in
     flight get a 500, their KV is freed, the engine thread lives on."""
-    def break_next_forward(engine):
-        real = engine.model.forward
-
-        def forward(*a, **k):
-            engine.model.forward = real
-            raise RuntimeError("kernel exploded")
-        engine.model.forward = forward
-    server.on_engine(break_next_forward)
+    break_next_forward(server, RuntimeError("kernel exploded"))
     with pytest.raises(openai.InternalServerError, match="RuntimeError: kernel exploded"):
         server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
                                          temperature=0)

@@ -6,7 +6,9 @@ unknown model, 500 when the engine failed the request's batch (the server keeps 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import time
 import uuid
 
@@ -22,6 +24,7 @@ from eaglekv.server.loop import EngineLoop, Stream
 from eaglekv.server.protocol import ChatCompletionRequest, CompletionRequest, RequestRefused
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # the OpenAI API's default for /v1/completions
+log = logging.getLogger("eaglekv.server")
 
 
 class ModelNotFound(LookupError):
@@ -72,6 +75,22 @@ def error_json(status: int, message: str, type_: str, param: str | None = None) 
 
 def error_body(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(status_code=status, content=error_json(status, message, type_, param))
+
+
+def answers_500(route):
+    """Any unexpected exception of a route becomes an OpenAI-style 500 here. (Starlette's
+    catch-all handler re-raises after answering, and the connection may be reset before the
+    client reads the body.) The known errors go on to their own handlers."""
+    @functools.wraps(route)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await route(*args, **kwargs)
+        except (EaglekvError, RequestRefused, ModelNotFound):
+            raise
+        except Exception as e:  # noqa: BLE001
+            log.exception("request failed")
+            return error_body(500, f"{type(e).__name__}: {e}", "internal_error")
+    return wrapper
 
 
 def spec_json(stats: list[SpecStats | None]) -> dict | None:
@@ -230,6 +249,7 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
                                  media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
+    @answers_500
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         body.refuse_unsupported()
@@ -258,6 +278,7 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
                          for i, o in enumerate(outputs)])
 
     @app.post("/v1/chat/completions")
+    @answers_500
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         body.refuse_unsupported()
