@@ -400,3 +400,12 @@ def test_kv_pool_rejects_layer_out_of_range(layer):
     with pytest.raises(KVIndexError, match=f"slot {layer} out of range \\[0, 2\\) in kv_pool layer"):
         pool.set_kv_buffer(layer, torch.tensor([1]), k, k)
     assert all(not b.any() for b in pool.k_buffer + pool.v_buffer)
+
+
+def test_tensors_on_different_devices_rejected():
+    """A cache on another device would make the slot an address in the wrong memory."""
+    k = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match=r"different devices: k on cpu, v on cpu, "
+                                         r"k_cache on meta"):
+        store_cache(k, k, torch.zeros(8, 4, device="meta"), torch.zeros(8, 4),
+                    torch.tensor([0, 1]))

@@ -47,6 +47,11 @@ def resolve_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     """Shared argument checks of every store_cache path; returns (k2, v2, kc2, vc2, limit, split)."""
     if indices.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"store_cache: indices dtype {indices.dtype}, expected int32 or int64")
+    devices = {name: x.device for name, x in (("k", k), ("v", v), ("k_cache", k_cache),
+                                               ("v_cache", v_cache), ("indices", indices))}
+    if len(set(devices.values())) > 1:   # a pointer from another device is not an address here
+        raise ValueError("store_cache: tensors on different devices: "
+                         + ", ".join(f"{n} on {d}" for n, d in devices.items()))
     n = indices.numel()
     k2, v2 = _as_rows(k, n, "k"), _as_rows(v, n, "v")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):

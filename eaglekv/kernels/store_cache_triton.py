@@ -130,7 +130,8 @@ def _signature(k, v, k_cache, v_cache, indices, row_bytes, num_split, size_limit
     return (k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
             k_cache.shape, k_cache.stride(), k_cache.dtype,
             v_cache.shape, v_cache.stride(), v_cache.dtype,
-            indices.shape, indices.stride(), indices.dtype, k.get_device(),
+            indices.shape, indices.stride(), indices.dtype, k.get_device(), v.get_device(),
+            k_cache.get_device(), v_cache.get_device(), indices.get_device(),
             k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0,
             v_cache.data_ptr() % 16 == 0, indices.data_ptr() % 16 == 0,
             row_bytes, num_split, size_limit, checked, FLAGS.device_assert)
