@@ -57,12 +57,15 @@ def _store_cache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, idx_ptr, err_ptr, call_id,
     if CHECK:
         # report after the copy, without a reduction: each bad token (counted once, by the
         # part-0 program) issues its own masked atomics; on the normal path they are all
-        # predicated off. Vector pointers and masks (the interpreter refuses scalar + vector).
+        # predicated off. Relaxed: the host reads the buffer only after the step's sync, and
+        # the default acq_rel wraps every atomic in CTA barriers (bar.sync), run even when
+        # predicated off (measured 1.7% at 8192 rows x 4 KiB); relaxed lowers to a bare `red`.
+        # Vector pointers and masks (the interpreter refuses scalar + vector).
         zero = tl.zeros([TOK], dtype=tl.int32)
         bad = tmask & (~ok) & ((zero + part) == 0)                            # (TOK,)
-        tl.atomic_add(err_ptr + zero, tl.full([TOK], 1, tl.int64), mask=bad)
+        tl.atomic_add(err_ptr + zero, tl.full([TOK], 1, tl.int64), mask=bad, sem="relaxed")
         key = toks + (call_id.to(tl.int64) << 32)                             # id*2^32 + pos
-        tl.atomic_min(err_ptr + 1 + zero, key, mask=bad)
+        tl.atomic_min(err_ptr + 1 + zero, key, mask=bad, sem="relaxed")
 
 
 def _launch_args(k2, v2, kc2, vc2, flat, guard: KVGuard, call_id: int, limit: int, split: int,

@@ -31,8 +31,9 @@ def _record(err_ptr, bad, where, key_base):
     """err[0] += number of bad lanes; err[1] = min(err[1], key_base + earliest bad `where`)."""
     n = tl.sum(bad.to(tl.int64), axis=0)
     if n > 0:
-        tl.atomic_add(err_ptr, n)
-        tl.atomic_min(err_ptr + 1, key_base + tl.min(tl.where(bad, where, _BIG), axis=0))
+        tl.atomic_add(err_ptr, n, sem="relaxed")
+        tl.atomic_min(err_ptr + 1, key_base + tl.min(tl.where(bad, where, _BIG), axis=0),
+                      sem="relaxed")
 
 
 @triton.jit
@@ -73,8 +74,8 @@ def _assign_kernel(rtt_ptr, rtt_s0, rtt_s1, rows_ptr, lens_ptr, loc_ptr, copy_pt
     row = tl.load(rows_ptr + b).to(tl.int64)
     last, stride, base = _geometry(L, S, PS)
     if (row < 0) | (row >= R):
-        tl.atomic_add(err_ptr, tl.full([], 1, tl.int64))
-        tl.atomic_min(err_ptr + 1, row_key + b)
+        tl.atomic_add(err_ptr, tl.full([], 1, tl.int64), sem="relaxed")
+        tl.atomic_min(err_ptr + 1, row_key + b, sem="relaxed")
     e = tl.arange(0, BKS)                                  # (BKS,) flat t*S + s
     t, s = e // S, e % S
     m = e < K * S
@@ -129,8 +130,8 @@ def _decode_kv_indices_kernel(rtt_ptr, rtt_s0, rtt_s1, rows_ptr, lens_ptr, start
     last_step = step == S - 1
     row_ok = (row >= 0) & (row < R)
     if last_step & (t == 0) & (~row_ok):
-        tl.atomic_add(err_ptr, tl.full([], 1, tl.int64))
-        tl.atomic_min(err_ptr + 1, row_key + b)
+        tl.atomic_add(err_ptr, tl.full([], 1, tl.int64), sem="relaxed")
+        tl.atomic_min(err_ptr + 1, row_key + b, sem="relaxed")
     # positions of this branch's S draft tokens (last step only), checked against W
     s = tl.arange(0, BS)
     ps_m = (s < S) & ((tl.zeros([BS], dtype=tl.int32) + last_step.to(tl.int32)) != 0)
