@@ -73,8 +73,12 @@ def _launch_args(k2, v2, kc2, vc2, flat, guard: KVGuard, call_id: int, limit: in
     """(grid, positional args incl. constexprs) of one launch; k2/v2 (n, row), kc2/vc2 rows."""
     n, row = k2.shape
     chunk = row // split
-    block = min(1024, triton.next_power_of_2(chunk))
-    tok = max(1, min(16, 4096 // block, triton.next_power_of_2(n)))  # ~4K elements a program
+    # tiles of <= 8 x 256 elements, several per program on long chunks: a 2-D tile of 64-bit
+    # addresses is register-hungry (8 x 512 took 128-168 registers, and the checked variant's
+    # schedule differed from the unchecked one: 1.4-1.8% slower at 8192 rows of 2-4 KiB);
+    # bench/store_cache_variants.py measured the alternatives side by side on the H200
+    block = min(256, triton.next_power_of_2(chunk))
+    tok = max(1, min(16, 2048 // block, triton.next_power_of_2(n)))
     grid = (triton.cdiv(n, tok), split)
     args = (k2, v2, kc2, vc2, flat, guard.err, call_id, n,
             k2.stride(0), k2.stride(1), v2.stride(0), v2.stride(1), kc2.stride(0), vc2.stride(0),
