@@ -7,10 +7,13 @@ working set is far beyond the 60 MB L2. `*_us` is the median device time of one 
 
 Small batches are launch-bound, so each variant also gets `*_b2b_us`: the wall time per call of
 200 back-to-back calls (one sync at the end; the best of 5 rounds), i.e. what a step that
-issues them one after the other pays, host dispatch included. `eaglekv_jit_dispatch` is the checked kernel launched
-through Triton's JIT dispatch with the full argument checks on every call (the path before the
-cached launch, and what `EAGLEKV_TRITON_FAST_LAUNCH=0` gives).
-Usage (GPU):  PYTHONPATH=. python3 bench/store_cache.py
+issues them one after the other pays, host dispatch included. `eaglekv_jit_dispatch` is the
+checked kernel launched through Triton's JIT dispatch with the full argument checks on every
+call (the path before the cached launch, and what `EAGLEKV_TRITON_FAST_LAUNCH=0` gives).
+Checked vs unchecked is judged on a separate paired measurement (21 alternating do_bench
+pairs per point over >= 8192 rows x >= 2 KiB, `store_cache_overhead_h200.json`), which the
+full run also makes; `--overhead` makes only that one.
+Usage (GPU):  PYTHONPATH=. python3 bench/store_cache.py [DIR] [--overhead]
 """
 
 from __future__ import annotations
@@ -118,24 +121,31 @@ def main(out_dir: str) -> None:
             results.append(row)
             print(json.dumps({k: round(x, 3) if isinstance(x, float) else x
                               for k, x in row.items()}), flush=True)
+    paired = paired_overhead()
+    write_overhead(paired, out_dir, "PYTHONPATH=. python3 bench/store_cache.py (paired part)")
     doc = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "dtype": "bfloat16",
            "command": "PYTHONPATH=. python3 bench/store_cache.py",
-           "targets": targets(results), "results": results}
+           "targets": targets(results, paired), "results": results}
     print(json.dumps(doc["targets"], indent=1))
     with open(os.path.join(out_dir, "store_cache_h200.json"), "w") as f:
         json.dump(doc, f, indent=1)
     plot(results, os.path.join(out_dir, "store_cache_h200.png"))
 
 
-def targets(results: list[dict]) -> dict:
-    """The issue's three targets, each as the worst case over its region."""
+def targets(results: list[dict], paired: list[dict]) -> dict:
+    """The issue's three targets, each as the worst case over its region. Checked vs unchecked
+    is judged on the paired measurement (`paired_overhead`): the table's own ratio comes from
+    5 unpaired rounds and moves by a few percent from run to run, too coarse for a 1% target."""
     big = [r for r in results if r["rows"] >= 8192 and r["row_bytes"] >= 2048]
     small = [r for r in results if r["rows"] <= 64]
     return {
         "big_min_checked_vs_copy_bw (>= 0.85)": min(r["checked_vs_copy_bw"] for r in big),
-        "big_max_checked_vs_unchecked (<= 1.01)": max(r["checked_vs_unchecked"] for r in big),
+        "big_max_checked_vs_unchecked_paired (<= 1.01)":
+            max(p["checked_vs_unchecked_median"] for p in paired),
+        "big_max_checked_vs_unchecked_table (coarse, not the target)":
+            max(r["checked_vs_unchecked"] for r in big),
         "small_max_checked_vs_index_put_time (<= 1)": max(r["checked_vs_index_put_time"]
                                                           for r in small),
         "small_max_checked_vs_index_put_b2b (<= 1)": max(r["checked_vs_index_put_b2b"]
@@ -171,10 +181,10 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def overhead(out_dir: str, rounds: int = 21) -> None:
+def paired_overhead(rounds: int = 21) -> list[dict]:
     """Checked vs unchecked alone, over the >= 8192 rows x >= 2 KiB region: `rounds`
     alternating do_bench pairs per point; the median of the per-round ratios, with its
-    spread (the 25th-75th percentile). Usage: python3 bench/store_cache.py DIR --overhead"""
+    spread (the 25th-75th percentile)."""
     dev, dtype = "cuda", torch.bfloat16
     guard = kv_guard(dev)
     points = []
@@ -203,10 +213,13 @@ def overhead(out_dir: str, rounds: int = 21) -> None:
                            "checked_vs_unchecked_median": statistics.median(ratios),
                            "p25": q[0], "p75": q[2]})
             print(json.dumps(points[-1]), flush=True)
+    return points
+
+
+def write_overhead(points: list[dict], out_dir: str, command: str) -> None:
     doc = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "dtype": "bfloat16",
-           "command": "PYTHONPATH=. python3 bench/store_cache.py bench/results --overhead",
+           "triton": triton.__version__, "dtype": "bfloat16", "command": command,
            "max_median": max(p["checked_vs_unchecked_median"] for p in points),
            "points": points}
     with open(os.path.join(out_dir, "store_cache_overhead_h200.json"), "w") as f:
@@ -216,7 +229,8 @@ def overhead(out_dir: str, rounds: int = 21) -> None:
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else \
         "bench/results"
-    if "--overhead" in sys.argv:
-        overhead(out)
+    if "--overhead" in sys.argv:   # the paired checked/unchecked measurement alone (~20 s)
+        write_overhead(paired_overhead(), out,
+                       "PYTHONPATH=. python3 bench/store_cache.py bench/results --overhead")
     else:
         main(out)
