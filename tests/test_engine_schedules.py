@@ -1,0 +1,106 @@
+"""Seeded random schedules (CPU, fp32, tiny random target): requests arrive at random steps with
+random prompt lengths and budgets, some are sampled, some are aborted while queued or
+mid-step, and the KV pool is small enough that the engine preempts and recomputes. Plain
+decoding and every speculative family, page sizes 1 and 4.
+
+Checked after every step: the allocator's and the row pool's books balance, and every greedy
+request's output so far is a prefix of its plain greedy reference (so a request whose KV another
+one overwrote shows up at the step it happens). At the end: every greedy request that was not
+aborted equals its reference, sampled ones have their full length, aborted ones hold a prefix
+of theirs, and every slot and row is free again.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from conftest import tiny_engine
+from eaglekv import SamplingParams
+from test_spec_families import deep_dir, spec  # noqa: F401  (deep_dir is a fixture)
+
+MAX_NEW = 32
+SEEDS = [0, 1, 2]
+CONFIGS = {"plain": None, "eagle_chain": spec("eagle", 3, 1, 4),
+           "eagle_tree": spec("eagle", 3, 2, 6), "eagle_wide": spec("eagle", 2, 4, 7),
+           "eagle3_tree": spec("eagle3", 3, 2, 6), "multi_layer": spec("multi_layer_eagle", 3)}
+
+
+@dataclass
+class Planned:
+    prompt: list[int]
+    max_new: int
+    arrival: int                 # step at which it is added
+    abort_at: int | None         # step at which it is aborted (None: never)
+    sampled: bool
+
+
+def plan(seed: int, n: int = 10) -> list[Planned]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        abort_at = rng.randrange(0, 25) if rng.random() < 0.25 else None
+        out.append(Planned(prompt=[rng.randrange(256) for _ in range(rng.randint(1, 40))],
+                           max_new=rng.randint(1, MAX_NEW), arrival=rng.randrange(0, 12),
+                           abort_at=abort_at, sampled=rng.random() < 0.2))
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(deep_dir):  # noqa: F811
+    """Plain greedy continuations of every planned prompt, on an engine with room to spare."""
+    eng = tiny_engine(deep_dir, max_running_requests=8)
+    refs = {}
+    for seed in SEEDS:
+        prompts = [p.prompt for p in plan(seed)]
+        outs = eng.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+        refs[seed] = [o.token_ids for o in outs]
+    return refs
+
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_random_schedule(deep_dir, references, config, ps, seed):  # noqa: F811
+    rng = random.Random(1000 + seed)
+    planned, refs = plan(seed), references[seed]
+    extra = {} if CONFIGS[config] is None else {"speculative": CONFIGS[config]}
+    eng = tiny_engine(deep_dir, page_size=ps, max_running_requests=rng.choice([3, 4, 6]),
+                      max_total_tokens=128, **extra)
+    reqs: dict[int, object] = {}
+    step = 0
+    while step < 12 or eng.has_unfinished():
+        for i, p in enumerate(planned):
+            if p.arrival == step:
+                params = (SamplingParams(max_new_tokens=p.max_new, temperature=0.8, seed=i,
+                                         ignore_eos=True) if p.sampled else
+                          SamplingParams(max_new_tokens=p.max_new, ignore_eos=True))
+                reqs[i] = eng.add_request(p.prompt, params)
+            if p.abort_at == step and i in reqs:
+                eng.abort(reqs[i])
+        if eng.has_unfinished():
+            eng.step()
+        eng.check_memory()
+        for i, r in reqs.items():
+            if not planned[i].sampled:
+                assert r.output_ids == refs[i][:len(r.output_ids)], \
+                    f"request {i} diverged from its reference at step {step}"
+        step += 1
+        assert step < 2000, "the schedule does not finish"
+    assert len(reqs) == len(planned)
+    for i, r in reqs.items():
+        p = planned[i]
+        if r.finish_reason == "abort":
+            assert p.abort_at is not None and len(r.output_ids) < p.max_new
+            continue
+        assert r.finish_reason == "length" and len(r.output_ids) == p.max_new
+        if p.sampled:
+            assert all(0 <= t < 256 for t in r.output_ids)
+        else:
+            assert r.output_ids == refs[i][:p.max_new]
+    assert eng.allocator.is_full()
+    assert not eng.running and not eng.waiting
+    eng.check_memory()
