@@ -1,10 +1,11 @@
 """eaglekv: EAGLE-family speculative decoding on a guarded paged KV cache."""
 
 from eaglekv.config import EngineConfig, SamplingParams, SpecConfig
-from eaglekv.core import Output, SpecStats, StreamDelta
+from eaglekv.core import Output, SpecStats, StreamDelta, TokenLogprob
 from eaglekv.engine import Engine
 from eaglekv.errors import ConfigError, KVIndexError, ModelLoadError, RequestError
 
 __all__ = ["ConfigError", "Engine", "EngineConfig", "KVIndexError", "ModelLoadError", "Output",
-           "RequestError", "SamplingParams", "SpecConfig", "SpecStats", "StreamDelta"]
+           "RequestError", "SamplingParams", "SpecConfig", "SpecStats", "StreamDelta",
+           "TokenLogprob"]
 __version__ = "0.1.0"

@@ -11,6 +11,8 @@ from eaglekv.errors import ConfigError
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
+MAX_TOP_LOGPROBS = 20   # alternatives per token, as the OpenAI API allows
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,6 +24,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None       # None: off; k: each token's logprob and the top k
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -38,6 +41,10 @@ class SamplingParams:
             raise ConfigError(f"top_k={self.top_k!r} must be an int >= 0 (0 = off)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError(f"stop={self.stop!r} must hold non-empty strings")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ConfigError(f"logprobs={self.logprobs!r} must be an int in "
+                              f"[0, {MAX_TOP_LOGPROBS}] (or None: off)")
 
     @property
     def greedy(self) -> bool:

@@ -119,12 +119,25 @@ class SpecStats:
 
 
 @dataclass
+class TokenLogprob:
+    """One output token's log-probability under the target model, and the `top` most likely
+    tokens at its position, most likely first, as (token id, logprob). Log-softmax of the raw
+    logits in fp32: before temperature, top-k and top-p (what vLLM reports by default), so
+    the figure does not depend on how the token was chosen, speculatively or not."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class Output:
     text: str
     token_ids: list[int]
     finish_reason: str               # "stop" | "length"
     prompt_token_ids: list[int]
     spec: SpecStats | None = None
+    logprobs: list[TokenLogprob] | None = None   # one per token, when SamplingParams.logprobs
 
 
 @dataclass
@@ -132,3 +145,4 @@ class StreamDelta:
     text: str                        # new text since the last delta
     token_ids: list[int]             # new tokens since the last delta
     finish_reason: str | None = None  # set on the last delta
+    logprobs: list[TokenLogprob] | None = None   # of token_ids, when asked for

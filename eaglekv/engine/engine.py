@@ -19,7 +19,7 @@ from eaglekv.config import EngineConfig, SamplingParams
 from eaglekv.core import ForwardBatch, Output, SpecStats, StreamDelta
 from eaglekv.engine.memory_plan import plan_kv_size
 from eaglekv.engine.request import Req
-from eaglekv.engine.sampler import sample_next
+from eaglekv.engine.sampler import batch_logprobs, sample_next
 from eaglekv.kernels.guard import kv_guard
 from eaglekv.errors import ConfigError, KVIndexError, OutOfKVMemoryError, RequestError
 from eaglekv.memory import KVPool, ReqToTokenPool, SlotAllocator
@@ -237,10 +237,11 @@ class Engine:
 
         def run():
             out = self.model.forward(batch, self.backend, logits_indices=batch.last_token_indices)
-            tokens = sample_next(out.logits, [r.params for r in batch_reqs],
+            params = [r.params for r in batch_reqs]
+            tokens = sample_next(out.logits, params,
                                  [r.generator for r in batch_reqs])  # the step's host sync
-            for r, t in zip(batch_reqs, tokens):
-                r.append_tokens([t])
+            for r, t, lp in zip(batch_reqs, tokens, batch_logprobs(out.logits, tokens, params)):
+                r.append_tokens([t], lp)
         self._run_guarded(batch_reqs, run)
         return batch_reqs
 

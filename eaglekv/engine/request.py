@@ -18,6 +18,7 @@ class Req:
     generator: torch.Generator
     eos_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)   # TokenLogprob per output token
     row: int = 0                       # ReqToTokenPool row, 0 = not placed
     kv_len: int = 0                    # tokens whose K/V are in the cache
     last_slot: int = -1                # slot of position kv_len - 1
@@ -51,12 +52,15 @@ class Req:
             self._text_tokens = len(self.output_ids)
         return self.text
 
-    def append_tokens(self, tokens: list[int]) -> int:
-        """Append tokens one by one until a stop rule fires; returns how many were kept."""
+    def append_tokens(self, tokens: list[int], logprobs: list | None = None) -> int:
+        """Append tokens one by one until a stop rule fires; returns how many were kept.
+        `logprobs` (TokenLogprob per token, when the request asked) is kept alongside."""
         p = self.params
         kept = 0
         for t in tokens:
             self.output_ids.append(t)
+            if logprobs is not None:
+                self.output_logprobs.append(logprobs[kept])
             kept += 1
             if (not p.ignore_eos and t in self.eos_ids) or t in p.stop_token_ids:
                 self.finish_reason = "stop"
@@ -94,10 +98,15 @@ class Req:
         delta = self.text[self._sent_text:end]
         if not delta and not toks and not self.finished:
             return None
+        lps = (self.output_logprobs[self._sent_tokens:] if self.params.logprobs is not None
+               else None)
         self._sent_text, self._sent_tokens = end, len(self.output_ids)
-        return StreamDelta(text=delta, token_ids=toks, finish_reason=self.finish_reason)
+        return StreamDelta(text=delta, token_ids=toks, finish_reason=self.finish_reason,
+                           logprobs=lps)
 
     def to_output(self) -> Output:
         return Output(text=self.refresh_text(), token_ids=list(self.output_ids),
                       finish_reason=self.finish_reason or "length",
-                      prompt_token_ids=list(self.prompt_ids), spec=self.spec_stats)
+                      prompt_token_ids=list(self.prompt_ids), spec=self.spec_stats,
+                      logprobs=(list(self.output_logprobs) if self.params.logprobs is not None
+                                else None))

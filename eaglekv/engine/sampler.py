@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from eaglekv.config import SamplingParams
+from eaglekv.core import TokenLogprob
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -40,3 +41,29 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams],
         else:
             out.append(torch.multinomial(target_probs(row, p), 1, generator=g)[0])
     return torch.stack(out).tolist()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: list[int]) -> list[TokenLogprob]:
+    """(n, V) logits of the positions that emitted `tokens` (n) -> their TokenLogprob, row i
+    with its `top[i]` most likely alternatives. One host sync for all of them."""
+    lp = torch.log_softmax(logits.float(), -1)                                  # (n, V)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0]
+    k = max(top)
+    vals, ids = (torch.topk(lp, k, -1) if k else (lp[:, :0], lp[:, :0].long()))  # (n, k)
+    chosen, vals, ids = chosen.tolist(), vals.tolist(), ids.tolist()
+    return [TokenLogprob(t, c, list(zip(i[:n], v[:n])))
+            for t, c, i, v, n in zip(tokens, chosen, ids, vals, top)]
+
+
+def batch_logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]
+                   ) -> list[list[TokenLogprob] | None]:
+    """One new token per request (logits (B, V)): [its TokenLogprob] where the request asked
+    for logprobs, else None; nothing is computed when none did."""
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[list[TokenLogprob] | None] = [None] * len(params)
+    if want:
+        rows = token_logprobs(logits[want], [tokens[i] for i in want],
+                              [params[i].logprobs for i in want])
+        for i, lp in zip(want, rows):
+            out[i] = [lp]
+    return out

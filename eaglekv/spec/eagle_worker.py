@@ -18,7 +18,7 @@ import time
 import torch
 
 from eaglekv.core import ForwardBatch, SpecStats
-from eaglekv.engine.sampler import sample_next
+from eaglekv.engine.sampler import batch_logprobs, sample_next, token_logprobs
 from eaglekv.spec.accept import greedy_accept, sample_accept
 from eaglekv.spec.draft_loop import DraftLoop, processed_probs, exponential_noise, uniform_noise
 from eaglekv.spec.slots import DraftSlots
@@ -82,10 +82,10 @@ class EagleWorker:
         out = self.target.forward(batch, eng.backend, logits_indices=batch.last_token_indices,
                                   return_hidden=True, capture_layers=self.drafter.capture_layers)
         feats = self.drafter.features(out)                                        # (T, Hf)
-        tokens = sample_next(out.logits, [r.params for r in reqs],
-                             [r.generator for r in reqs])                 # the step's sync
-        for r, t in zip(reqs, tokens):
-            r.append_tokens([t])
+        params = [r.params for r in reqs]
+        tokens = sample_next(out.logits, params, [r.generator for r in reqs])  # the step's sync
+        for r, t, lp in zip(reqs, tokens, batch_logprobs(out.logits, tokens, params)):
+            r.append_tokens([t], lp)
         live = [i for i, r in enumerate(reqs) if not r.finished]
         if live:
             # draft input at position p is (token p + 1, target hidden p)
@@ -166,6 +166,7 @@ class EagleWorker:
         window = self._extend_window(reqs, res, committed, feats, vdev, seq_lens)
         host = torch.cat([res.accept_len[:, None], committed], 1).tolist()       # the sync
         acc, toks = [h[0] for h in host], [h[1:] for h in host]
+        lps = self._window_logprobs(reqs, logits, res.path, acc, toks)
         t3 = time.perf_counter()
         # 5. books on the host: free the rejected tail, append tokens, draft extend
         live, ids, prefix, slots, hidden = [], [], [], [], []
@@ -174,7 +175,7 @@ class EagleWorker:
             self.slots.free_tail(vslots[b, a + 1:])
             r.kv_len, r.last_slot = r.kv_len + a + 1, int(vslots[b, a])
             self._count(r, a)
-            r.append_tokens(toks[b][:a + 1])
+            r.append_tokens(toks[b][:a + 1], lps[b])
             if r.finished:
                 continue
             live.append(r)
@@ -191,6 +192,22 @@ class EagleWorker:
                     r.draft_state = (window.logits[b], window.hidden[b])
         elif live:
             self._draft_extend(live, ids, prefix, torch.cat(slots), torch.cat(hidden))
+
+    @staticmethod
+    def _window_logprobs(reqs, logits, path, acc, toks) -> list[list | None]:
+        """TokenLogprobs of each request's a + 1 committed tokens (None where not asked for):
+        committed token j was chosen from the target's logits at the accepted node path[j]."""
+        want = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
+        out: list[list | None] = [None] * len(reqs)
+        if not want:
+            return out
+        rows = torch.cat([logits[b, path[b, :acc[b] + 1]] for b in want])         # (n, V)
+        flat = token_logprobs(rows, [t for b in want for t in toks[b][:acc[b] + 1]],
+                              [reqs[b].params.logprobs for b in want for _ in range(acc[b] + 1)])
+        i = 0
+        for b in want:
+            out[b], i = flat[i:i + acc[b] + 1], i + acc[b] + 1
+        return out
 
     def _extend_window(self, reqs, res, committed, feats, vslots, seq_lens):
         """Hook: a worker may run the draft over the whole verify window before the sync
