@@ -138,3 +138,27 @@ def test_stop_token_keeps_logprobs_aligned(deep_dir, refs):  # noqa: F811
 def test_bad_logprobs_refused(bad):
     with pytest.raises(ConfigError, match=rf"logprobs={bad!r} must be an int in \[0, 20\]"):
         SamplingParams(logprobs=bad)
+
+
+def test_openai_formats_without_a_tokenizer():
+    """A model with no tokenizer shows tokens as `token_id:N`; offsets run on across chunks."""
+    pytest.importorskip("fastapi")
+    from eaglekv import TokenLogprob
+    from eaglekv.server.logprobs import LogprobFormatter
+    fmt = LogprobFormatter(None)
+    lps = [TokenLogprob(7, -0.5, [(7, -0.5), (3, -1.5)]), TokenLogprob(12, -2.0, [(1, -0.1)])]
+    block, end = fmt.completion(lps, offset=4)
+    assert block == {"tokens": ["token_id:7", "token_id:12"], "token_logprobs": [-0.5, -2.0],
+                     "top_logprobs": [{"token_id:7": -0.5, "token_id:3": -1.5},
+                                      {"token_id:1": -0.1}],
+                     "text_offset": [4, 14]}
+    assert end == 25
+    chat = fmt.chat(lps[:1])
+    assert chat["refusal"] is None
+    assert chat["content"] == [{"token": "token_id:7", "logprob": -0.5,
+                                "bytes": list(b"token_id:7"),
+                                "top_logprobs": [
+                                    {"token": "token_id:7", "logprob": -0.5,
+                                     "bytes": list(b"token_id:7")},
+                                    {"token": "token_id:3", "logprob": -1.5,
+                                     "bytes": list(b"token_id:3")}]}]

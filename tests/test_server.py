@@ -159,7 +159,7 @@ def test_client_disconnect_non_streaming_frees_kv(server):
     (dict(temperature=-1.0), "temperature=-1.0 must be >= 0"),
     (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
     (dict(max_tokens=100000), "exceeds max_context_len"),
-    (dict(logprobs=2), "logprobs=2 is not supported"),
+    (dict(logprobs=21), r"logprobs=21 must be in \[0, 20\]"),
     (dict(n=2, stream=True), "n=2 with stream=true is not supported"),
     (dict(presence_penalty=0.5), "presence_penalty=0.5 is not supported"),
     (dict(extra_body={"beam_width": 4}), "unknown field 'beam_width'"),
@@ -183,6 +183,69 @@ def test_unknown_model_404_and_chat_validation(server):
     assert r.status_code == 400 and "messages.0.role" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    for extra, msg in (({"top_logprobs": 2}, "top_logprobs needs logprobs=true"),
+                       ({"logprobs": True, "top_logprobs": 21},
+                        "top_logprobs=21 must be in [0, 20]")):
+        r = httpx.post(server.url + "/v1/chat/completions",
+                       json={"model": MODEL, "messages": CHAT} | extra)
+        assert r.status_code == 400 and r.json()["error"]["message"] == msg
+        assert r.json()["error"]["param"] == "top_logprobs"
+
+
+def engine_logprobs(server, prompt_or_chat, n: int, k: int):
+    params = SamplingParams(max_new_tokens=n, logprobs=k)
+    if isinstance(prompt_or_chat, str):
+        return server.on_engine(lambda e: e.generate([prompt_or_chat], params)[0])
+    return server.on_engine(lambda e: e.chat(prompt_or_chat, params)[0])
+
+
+def test_completion_logprobs_equal_engine(server):
+    ref = engine_logprobs(server, PROMPT, 12, 3)
+    tok = server.loop.engine.tokenizer
+    words = [tok.decode([t.token_id]) for t in ref.logprobs]
+    r = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                         temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == words and "".join(words) == r.choices[0].text == ref.text
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in ref.logprobs], abs=1e-5)
+    assert [list(d) for d in lp.top_logprobs] == [[tok.decode([i]) for i, _ in t.top]
+                                                  for t in ref.logprobs]
+    assert all(c == pytest.approx(max(d.values())) for c, d in zip(lp.token_logprobs,
+                                                                    lp.top_logprobs))  # greedy
+    assert lp.text_offset == [sum(len(w) for w in words[:i]) for i in range(len(words))]
+    chunks = list(server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                                   temperature=0, logprobs=3, stream=True))
+    got = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert sum((g.tokens for g in got), []) == words
+    assert sum((g.text_offset for g in got), []) == lp.text_offset
+    assert sum((g.token_logprobs for g in got), []) == pytest.approx(lp.token_logprobs)
+    assert all(c.choices[0].logprobs is None for c in server.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, stream=True))          # not asked: null
+    server.wait_idle()
+
+
+def test_chat_logprobs_equal_engine(server):
+    ref = engine_logprobs(server, CHAT, 24, 2)
+    tok = server.loop.engine.tokenizer
+    r = server.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0,
+                                              logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == [tok.decode([t.token_id]) for t in ref.logprobs]
+    assert [c.logprob for c in content] == pytest.approx([t.logprob for t in ref.logprobs],
+                                                         abs=1e-5)
+    assert all(c.bytes == list(c.token.encode()) and len(c.top_logprobs) == 2
+               for c in content)
+    assert [[a.token for a in c.top_logprobs] for c in content] == \
+        [[tok.decode([i]) for i, _ in t.top] for t in ref.logprobs]
+    stream = server.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0,
+                                                   logprobs=True, stream=True)
+    got = [x for c in stream if c.choices and c.choices[0].logprobs
+           for x in c.choices[0].logprobs.content]
+    assert [c.token for c in got] == [c.token for c in content]        # every token, once
+    assert all(c.top_logprobs == [] for c in got)                       # top_logprobs unset: 0
+    assert r.choices[0].logprobs is not None and server.client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2).choices[0].logprobs is None
+    server.wait_idle()
 
 
 def break_next_forward(server, error: Exception) -> None:
@@ -275,6 +338,14 @@ def test_speculative_server_is_lossless(server):
                                                 temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in stream) == ref_c.text
         assert spec.metric("eaglekv_spec_verify_steps_total") >= st["verify_steps"]
+        # logprobs come from the verify forward: the plain engine's figures
+        ref_lp = engine_logprobs(server, CHAT, 24, 2)
+        r = spec.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0,
+                                                logprobs=True, top_logprobs=2)
+        content = r.choices[0].logprobs.content
+        assert r.model_extra["spec"]["accepted_tokens"] > 0
+        assert [c.logprob for c in content] == pytest.approx(
+            [t.logprob for t in ref_lp.logprobs], abs=1e-3)
         spec.wait_idle()
     finally:
         spec.stop()

@@ -20,6 +20,7 @@ from prometheus_client import generate_latest
 
 from eaglekv.core import Output, SpecStats
 from eaglekv.errors import EaglekvError, KVIndexError
+from eaglekv.server.logprobs import LogprobFormatter
 from eaglekv.server.loop import EngineLoop, Stream
 from eaglekv.server.protocol import ChatCompletionRequest, CompletionRequest, RequestRefused
 
@@ -200,16 +201,21 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
             resp["spec"] = spec
         return resp
 
-    async def sse(stream: Stream, endpoint: str, chunk, include_usage: bool, first=None):
-        """Server-sent events of one request; the request is aborted if the client leaves."""
+    async def sse(stream: Stream, endpoint: str, chunk, include_usage: bool, first=None,
+                  logprobs=None):
+        """Server-sent events of one request; the request is aborted if the client leaves.
+        `logprobs(TokenLogprob list)` gives a chunk's logprobs block, when they were asked
+        for; then every new token is sent, even one whose text is still held back."""
         done, tokens = False, 0
         try:
             if first is not None:
                 yield f"data: {json.dumps(first)}\n\n"
             async for delta in stream:
                 tokens += len(delta.token_ids)
-                if delta.text or delta.finish_reason:
-                    yield f"data: {json.dumps(chunk(delta.text, delta.finish_reason))}\n\n"
+                lp = logprobs(delta.logprobs) if logprobs and delta.token_ids else None
+                if delta.text or delta.finish_reason or lp is not None:
+                    c = chunk(delta.text, delta.finish_reason, logprobs=lp)
+                    yield f"data: {json.dumps(c)}\n\n"
             done = True
             spec = stream.req.spec_stats
             metrics.finished(stream, tokens, spec)
@@ -259,22 +265,31 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
                                  "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         streams = await submit_all(prompts, body, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        fmt = LogprobFormatter(loop.engine.tokenizer) if body.logprobs is not None else None
 
-        def chunk(text, finish_reason, index=0):
+        def chunk(text, finish_reason, index=0, logprobs=None):
             return {"id": rid, "object": "text_completion", "created": created,
                     "model": model_name, "choices": [{"index": index, "text": text,
-                                                      "logprobs": None,
+                                                      "logprobs": logprobs,
                                                       "finish_reason": finish_reason}]}
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(sse(streams[0], "completions", chunk, include),
+            offset = 0
+
+            def block(lps):   # text offsets run on across the chunks
+                nonlocal offset
+                b, offset = fmt.completion(lps, offset)
+                return b
+            return StreamingResponse(sse(streams[0], "completions", chunk, include,
+                                         logprobs=block if fmt else None),
                                      media_type="text/event-stream")
         outputs = await collect(streams, "completions", request)
         if outputs is None:
             return JSONResponse(status_code=499, content=error_json(499, "client closed the "
                                 "request", "aborted"))
         return response(rid, "text_completion", created, outputs, body.n,
-                        [chunk(o.text, o.finish_reason, i)["choices"][0]
+                        [chunk(o.text, o.finish_reason, i,
+                               fmt.completion(o.logprobs)[0] if fmt else None)["choices"][0]
                          for i, o in enumerate(outputs)])
 
     @app.post("/v1/chat/completions")
@@ -290,17 +305,19 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
         ids = await asyncio.wrap_future(loop.call(lambda e: e.apply_chat_template(conversation)))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         streams = await submit_all([ids], body, default_max_tokens)
+        fmt = LogprobFormatter(engine.tokenizer) if body.logprobs else None
 
-        def chunk(text, finish_reason, index=0):
+        def chunk(text, finish_reason, index=0, logprobs=None):
             return {"id": rid, "object": "chat.completion.chunk", "created": created,
                     "model": model_name,
                     "choices": [{"index": index, "delta": {"content": text} if text else {},
-                                 "logprobs": None, "finish_reason": finish_reason}]}
+                                 "logprobs": logprobs, "finish_reason": finish_reason}]}
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
             first = chunk("", None)
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            return StreamingResponse(sse(streams[0], "chat", chunk, include, first),
+            return StreamingResponse(sse(streams[0], "chat", chunk, include, first,
+                                         logprobs=fmt.chat if fmt else None),
                                      media_type="text/event-stream")
         outputs = await collect(streams, "chat", request)
         if outputs is None:
@@ -308,7 +325,8 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
                                 "request", "aborted"))
         return response(rid, "chat.completion", created, outputs, body.n,
                         [{"index": i, "message": {"role": "assistant", "content": o.text},
-                          "logprobs": None, "finish_reason": o.finish_reason}
+                          "logprobs": fmt.chat(o.logprobs) if fmt else None,
+                          "finish_reason": o.finish_reason}
                          for i, o in enumerate(outputs)])
 
     return app

@@ -2,7 +2,8 @@
 
 Unknown fields are refused with a 400 that names them (nothing is dropped silently); known
 OpenAI fields that eaglekv does not implement are accepted only at their no-op values. Extras
-as in vLLM: `top_k`, `ignore_eos`, `stop_token_ids`. Defaults follow the OpenAI API:
+as in vLLM: `top_k`, `ignore_eos`, `stop_token_ids`. Logprobs: `logprobs` (an int) for
+completions, `logprobs` + `top_logprobs` for chat, at most 20 alternatives. Defaults follow the OpenAI API:
 temperature 1.0, max_tokens 16 for completions, `default_max_tokens` of the server for chat.
 """
 
@@ -12,7 +13,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from eaglekv.config import SamplingParams
+from eaglekv.config import MAX_TOP_LOGPROBS, SamplingParams
 
 
 class RequestRefused(ValueError):
@@ -46,7 +47,6 @@ class _Sampling(BaseModel):
     # OpenAI fields accepted only at their no-op values
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: Union[bool, int, None] = None
     logit_bias: dict | None = None
 
     def refuse_unsupported(self) -> None:
@@ -55,8 +55,6 @@ class _Sampling(BaseModel):
             if getattr(self, name) not in (default, {}):
                 raise RequestRefused(f"{name}={getattr(self, name)!r} is not supported "
                                      f"(only {default!r})", name)
-        if self.logprobs not in (None, False, 0):
-            raise RequestRefused(f"logprobs={self.logprobs!r} is not supported", "logprobs")
         if self.n < 1:
             raise RequestRefused(f"n={self.n} must be >= 1", "n")
         if self.n > 1 and self.stream:
@@ -73,7 +71,16 @@ class _Sampling(BaseModel):
                               top_p=self.top_p, top_k=self.top_k, stop=stop,
                               stop_token_ids=tuple(self.stop_token_ids),
                               seed=None if self.seed is None else self.seed + index,
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, logprobs=self.engine_logprobs())
+
+    def engine_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None (off) or how many alternatives each token gets."""
+        return None
+
+
+def check_top(name: str, value: int) -> None:
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise RequestRefused(f"{name}={value} must be in [0, {MAX_TOP_LOGPROBS}]", name)
 
 
 class CompletionRequest(_Sampling):
@@ -81,9 +88,15 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = None      # the legacy API: the chosen token's and the top N
+
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
+        if self.logprobs is not None:
+            check_top("logprobs", self.logprobs)
         if self.echo:
             raise RequestRefused("echo=true is not supported", "echo")
         if self.suffix:
@@ -111,9 +124,18 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise RequestRefused("top_logprobs needs logprobs=true", "top_logprobs")
+            check_top("top_logprobs", self.top_logprobs)
         if not self.messages:
             raise RequestRefused("messages is empty", "messages")
         if self.max_completion_tokens is not None:
