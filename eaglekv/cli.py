@@ -21,6 +21,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=d.page_size)
     p.add_argument("--max-total-tokens", type=int, default=4096,
                    help="KV pool slots (default 4096 for the CLI)")
+    p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+                   help="prefill tokens a step; a longer prompt is prefilled over several "
+                   "steps while the others keep decoding (0: a prompt at once)")
     sp = SpecConfig()
     p.add_argument("--spec", default=sp.algorithm, choices=SPEC_ALGORITHMS,
                    help="speculative decoding algorithm")
@@ -82,6 +85,7 @@ def cmd_generate(args) -> None:
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                  page_size=args.page_size, max_total_tokens=args.max_total_tokens,
+                                 chunked_prefill_size=args.chunked_prefill_size or None,
                                  max_running_requests=1, speculative=spec_from_args(args)))
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -118,6 +122,7 @@ def cmd_serve(args) -> None:
     from eaglekv.server import EngineLoop, create_app
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                  page_size=args.page_size, max_total_tokens=args.max_total_tokens,
+                                 chunked_prefill_size=args.chunked_prefill_size or None,
                                  max_running_requests=args.max_running_requests,
                                  speculative=spec_from_args(args)))
     loop = EngineLoop(engine).start()

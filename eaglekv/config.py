@@ -121,6 +121,7 @@ class EngineConfig:
     max_total_tokens: int | None = None  # KV pool slots; default: from mem_fraction
     mem_fraction: float = 0.2            # of free memory for the KV pool when not given
     seed: int = 0                        # seeds requests that give no seed of their own
+    chunked_prefill_size: int | None = 2048  # prefill tokens a step (None: a prompt at once)
     speculative: SpecConfig = SpecConfig()
 
     def __post_init__(self):
@@ -143,6 +144,10 @@ class EngineConfig:
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ConfigError(f"max_total_tokens={self.max_total_tokens} must be >= "
                               f"page_size={self.page_size}")
+        if self.chunked_prefill_size is not None and (
+                not isinstance(self.chunked_prefill_size, int) or self.chunked_prefill_size < 1):
+            raise ConfigError(f"chunked_prefill_size={self.chunked_prefill_size!r} must be an "
+                              f"int >= 1 (or None: no chunking)")
         if not 0 < self.mem_fraction <= 0.95:
             raise ConfigError(f"mem_fraction={self.mem_fraction} must be in (0, 0.95]")
 

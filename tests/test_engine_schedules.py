@@ -1,7 +1,8 @@
 """Seeded random schedules (CPU, fp32, tiny random target): requests arrive at random steps with
 random prompt lengths and budgets, some are sampled, some are aborted while queued or
-mid-step, and the KV pool is small enough that the engine preempts and recomputes. Plain
-decoding and every speculative family, page sizes 1 and 4.
+mid-step, the KV pool is small enough that the engine preempts and recomputes, and prompts
+are prefilled whole or in chunks of 3 or 16 tokens. Plain decoding and every speculative
+family, page sizes 1 and 4.
 
 Checked after every step: the allocator's and the row pool's books balance, and every greedy
 request's output so far is a prefix of its plain greedy reference (so a request whose KV another
@@ -69,7 +70,8 @@ def test_random_schedule(deep_dir, references, config, ps, seed):  # noqa: F811
     planned, refs = plan(seed), references[seed]
     extra = {} if CONFIGS[config] is None else {"speculative": CONFIGS[config]}
     eng = tiny_engine(deep_dir, page_size=ps, max_running_requests=rng.choice([3, 4, 6]),
-                      max_total_tokens=128, **extra)
+                      max_total_tokens=128, chunked_prefill_size=rng.choice([None, 3, 16]),
+                      **extra)
     reqs: dict[int, object] = {}
     step = 0
     while step < 12 or eng.has_unfinished():

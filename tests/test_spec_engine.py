@@ -139,11 +139,13 @@ def fresh_kv(model, ids, device="cpu"):
 
 
 @pytest.mark.parametrize("K,N,ps", [(1, 4, 1), (2, 6, 4), (4, 10, 16)])
-def test_kv_equals_fresh_prefill_after_every_step(tiny_dir, K, N, ps):
-    """After each step, the committed tokens' target and draft K/V equal a fresh prefill."""
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_kv_equals_fresh_prefill_after_every_step(tiny_dir, K, N, ps, chunk):
+    """After each step, the committed tokens' target and draft K/V equal a fresh prefill
+    (with chunk=2 the prompts are prefilled 2 tokens a step, one request waiting its turn)."""
     from eaglekv.attention import TorchAttentionBackend
     from eaglekv.memory import KVPool
-    eng = spec_engine(tiny_dir, 3, K, N, ps, max_running_requests=2)
+    eng = spec_engine(tiny_dir, 3, K, N, ps, max_running_requests=2, chunked_prefill_size=chunk)
     draft = eng.worker.drafter
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=14, ignore_eos=True))
             for p in PROMPTS[:2]]
@@ -152,7 +154,7 @@ def test_kv_equals_fresh_prefill_after_every_step(tiny_dir, K, N, ps):
         eng.step()
         steps += 1
         for r in reqs:
-            if r.finished:
+            if r.finished or not r.kv_len:   # done, or waiting for its prefill chunk
                 continue
             ids = r.all_ids[:r.kv_len]
             slots = eng.req_to_token.req_to_token[r.row, :r.kv_len].to(torch.int64)

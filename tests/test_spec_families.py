@@ -83,11 +83,12 @@ def _draft_pools(worker):
 @pytest.mark.parametrize("alg,K,N,ps", [("eagle3", 2, 6, 4), ("eagle3", 1, 4, 1),
                                         ("multi_layer_eagle", 1, 4, 16),
                                         ("multi_layer_eagle", 1, 4, 1)])
-def test_every_pool_equals_fresh_prefill_after_every_step(deep_dir, alg, K, N, ps):
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_every_pool_equals_fresh_prefill_after_every_step(deep_dir, alg, K, N, ps, chunk):
     from eaglekv.attention import TorchAttentionBackend
     from eaglekv.memory import KVPool
     eng = tiny_engine(deep_dir, page_size=ps, max_running_requests=2,
-                      speculative=spec(alg, 3, K, N))
+                      speculative=spec(alg, 3, K, N), chunked_prefill_size=chunk)
     d = eng.worker.drafter
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=14, ignore_eos=True))
             for p in PROMPTS[:2]]
@@ -96,7 +97,7 @@ def test_every_pool_equals_fresh_prefill_after_every_step(deep_dir, alg, K, N, p
         eng.step()
         steps += 1
         for r in reqs:
-            if r.finished:
+            if r.finished or not r.kv_len:   # done, or waiting for its prefill chunk
                 continue
             ids = r.all_ids[:r.kv_len]
             slots = eng.req_to_token.req_to_token[r.row, :r.kv_len].to(torch.int64)

@@ -188,14 +188,35 @@ class Engine:
                 self._preempt(victims[-1])
 
     # ---- one step ------------------------------------------------------------------------------
-    def _plan_extend(self, reqs: list[Req]) -> list[tuple[Req, list[int], int, torch.Tensor]]:
-        """Slots for each request's pending tokens, written into req_to_token; returns
-        (req, ids, prefix, slots) for those still running (allocation may preempt)."""
+    def _chunk(self, reqs: list[Req]) -> list[tuple[Req, int]]:
+        """How many of its pending tokens each request extends by this step. Chunked prefill:
+        every decode (one pending token) goes in, then the prefills, in order, share what is
+        left of `chunked_prefill_size` tokens; a prompt longer than that is prefilled over
+        several steps, and the decodes keep running meanwhile."""
+        limit = self.config.chunked_prefill_size
+        if limit is None:
+            return [(r, len(r.pending_ids)) for r in reqs]
+        budget = limit - sum(len(r.pending_ids) == 1 for r in reqs)
+        takes = []
+        for r in reqs:
+            n = len(r.pending_ids)
+            if n > 1:
+                n = min(n, max(budget, 0))
+                budget -= n
+            if n:
+                takes.append((r, n))
+        return takes
+
+    def _plan_extend(self, takes: list[tuple[Req, int]]
+                     ) -> list[tuple[Req, list[int], int, torch.Tensor]]:
+        """Slots for each request's next `n` pending tokens, written into req_to_token; returns
+        (req, ids, prefix, slots) for those still running (allocation may preempt). A request
+        has all its tokens in the cache (and samples) when `req.kv_len == len(req.all_ids)`."""
         planned = []
-        for req in reqs:
+        for req, n in takes:
             if req not in self.running:  # preempted to make room for an earlier one
                 continue
-            ids, prefix = req.pending_ids, req.kv_len
+            ids, prefix = req.pending_ids[:n], req.kv_len
             s = self._alloc_extend(req, len(ids))
             self.req_to_token.req_to_token[req.row, prefix:prefix + len(ids)] = s.to(
                 self.device, torch.int32)
@@ -227,20 +248,25 @@ class Engine:
         self._admit()
         if self.worker is not None:
             return self.worker.step()
-        planned = self._plan_extend(list(self.running))
+        planned = self._plan_extend(self._chunk(list(self.running)))
         if not planned:
             return []
         batch_reqs = [p[0] for p in planned]
         batch = ForwardBatch.build([p[1] for p in planned], [p[2] for p in planned],
                                    [r.row for r in batch_reqs], torch.cat([p[3] for p in planned]),
                                    self.device)
+        done = [i for i, r in enumerate(batch_reqs) if r.kv_len == len(r.all_ids)]
 
         def run():
-            out = self.model.forward(batch, self.backend, logits_indices=batch.last_token_indices)
-            params = [r.params for r in batch_reqs]
+            out = self.model.forward(batch, self.backend,
+                                     logits_indices=batch.last_token_indices[done])
+            if not done:   # every request of the batch is mid-prefill
+                return
+            reqs = [batch_reqs[i] for i in done]
+            params = [r.params for r in reqs]
             tokens = sample_next(out.logits, params,
-                                 [r.generator for r in batch_reqs])  # the step's host sync
-            for r, t, lp in zip(batch_reqs, tokens, batch_logprobs(out.logits, tokens, params)):
+                                 [r.generator for r in reqs])        # the step's host sync
+            for r, t, lp in zip(reqs, tokens, batch_logprobs(out.logits, tokens, params)):
                 r.append_tokens([t], lp)
         self._run_guarded(batch_reqs, run)
         return batch_reqs

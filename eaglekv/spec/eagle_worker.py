@@ -32,6 +32,7 @@ class EagleWorker:
         self.target = engine.model
         self.loop = DraftLoop(drafter, self.S, self.K)
         self.slots = DraftSlots(engine, drafter, spec)
+        self._prefilled_last = False   # the last step was a prefill: decode next if any can
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -49,17 +50,22 @@ class EagleWorker:
 
     # ---- one engine step -----------------------------------------------------------------------
     def step(self) -> list:
-        """Prefill the requests that have no draft state yet, else one decode step for all."""
+        """Prefill (a chunk of) the requests that have no draft state yet, else one decode step
+        for those that have one. While a long prompt is prefilled chunk by chunk, prefill and
+        decode steps alternate, so the decoding requests keep going."""
         eng = self.engine
         fresh = [r for r in eng.running if r.draft_state is None]
-        if fresh:
-            planned = eng._plan_extend(fresh)
+        ready = len(fresh) < len(eng.running)
+        if fresh and not (ready and self._prefilled_last):
+            self._prefilled_last = True
+            planned = eng._plan_extend(eng._chunk(fresh))
             reqs = [p[0] for p in planned]
             if reqs:
                 eng._run_guarded(reqs, lambda: self.prefill(reqs, planned))
             return reqs
+        self._prefilled_last = False
         self._reserve()
-        reqs = list(eng.running)
+        reqs = [r for r in eng.running if r.draft_state is not None]
         if reqs:
             eng._run_guarded(reqs, lambda: self.decode(reqs))
         return reqs
@@ -74,18 +80,27 @@ class EagleWorker:
 
     # ---- prefill --------------------------------------------------------------------------------
     def prefill(self, reqs, planned) -> None:
-        """planned: (req, ids, prefix, slots) as the engine allocated them."""
+        """planned: (req, ids, prefix, slots) as the engine allocated them. A request whose
+        prefill is chunked (`kv_len < len(all_ids)`) samples nothing yet; the draft still
+        extends over its chunk (input at p: token p + 1, all of them prompt tokens), and its
+        draft state stays None until the chunk that completes it."""
         eng = self.engine
         batch = ForwardBatch.build([p[1] for p in planned], [p[2] for p in planned],
                                    [r.row for r in reqs], torch.cat([p[3] for p in planned]),
                                    eng.device)
-        out = self.target.forward(batch, eng.backend, logits_indices=batch.last_token_indices,
+        done = [i for i, r in enumerate(reqs) if r.kv_len == len(r.all_ids)]
+        out = self.target.forward(batch, eng.backend,
+                                  logits_indices=batch.last_token_indices[done],
                                   return_hidden=True, capture_layers=self.drafter.capture_layers)
         feats = self.drafter.features(out)                                        # (T, Hf)
-        params = [r.params for r in reqs]
-        tokens = sample_next(out.logits, params, [r.generator for r in reqs])  # the step's sync
-        for r, t, lp in zip(reqs, tokens, batch_logprobs(out.logits, tokens, params)):
-            r.append_tokens([t], lp)
+        partial = [r for i, r in enumerate(reqs) if i not in done]
+        if done:
+            sampled = [reqs[i] for i in done]
+            params = [r.params for r in sampled]
+            tokens = sample_next(out.logits, params,
+                                 [r.generator for r in sampled])          # the step's sync
+            for r, t, lp in zip(sampled, tokens, batch_logprobs(out.logits, tokens, params)):
+                r.append_tokens([t], lp)
         live = [i for i, r in enumerate(reqs) if not r.finished]
         if live:
             # draft input at position p is (token p + 1, target hidden p)
@@ -96,6 +111,8 @@ class EagleWorker:
             hidden = torch.cat([feats[cu[i]:cu[i + 1]] for i in live])
             self._draft_extend([reqs[i] for i in live], ids, [planned[i][2] for i in live],
                                torch.cat([planned[i][3] for i in live]), hidden)
+        for r in partial:      # still prefilling: the next step prefills it again
+            r.draft_state = None
 
     def _draft_extend(self, reqs, ids, prefix, slots, hidden) -> None:
         t0 = time.perf_counter()
