@@ -129,6 +129,33 @@ def test_seeded_sampling_n_choices(server):
     server.wait_idle()
 
 
+def test_streamed_choices_and_prompts(server):
+    """n > 1 and lists of prompts stream too: chunks carry their choice index, each choice
+    adds up to what the same request gives unstreamed, usage counts every choice."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, n=3, seed=11)
+    whole = server.client.completions.create(**kw)
+    chunks = list(server.client.completions.create(**kw, stream=True,
+                                                   stream_options={"include_usage": True}))
+    texts = ["", "", ""]
+    for c in chunks[:-1]:
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == [c.text for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    prompts = ["One, two, three,", "The sky is"]
+    refs = [reference(server, p, 10).text for p in prompts]
+    got = ["", ""]
+    for c in server.client.completions.create(model=MODEL, prompt=prompts, max_tokens=10,
+                                              temperature=0, stream=True):
+        got[c.choices[0].index] += c.choices[0].text
+    assert got == refs
+    chat = list(server.client.chat.completions.create(model=MODEL, messages=CHAT, n=2,
+                                                      max_tokens=6, stream=True, seed=3))
+    assert [c.choices[0].delta.role for c in chat[:2]] == ["assistant", "assistant"]
+    assert sorted(c.choices[0].index for c in chat[:2]) == [0, 1]
+    server.wait_idle()
+
+
 def test_client_disconnect_frees_kv(server):
     aborted = server.metric('eaglekv_requests_total{endpoint="completions",status="aborted"}')
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "temperature": 0,
@@ -160,7 +187,8 @@ def test_client_disconnect_non_streaming_frees_kv(server):
     (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
     (dict(max_tokens=100000), "exceeds max_context_len"),
     (dict(logprobs=21), r"logprobs=21 must be in \[0, 20\]"),
-    (dict(n=2, stream=True), "n=2 with stream=true is not supported"),
+    (dict(n=0), r"n=0 must be in \[1, 128\]"),
+    (dict(n=129, stream=True), r"n=129 must be in \[1, 128\]"),
     (dict(presence_penalty=0.5), "presence_penalty=0.5 is not supported"),
     (dict(extra_body={"beam_width": 4}), "unknown field 'beam_width'"),
     (dict(prompt=[70000]), r"prompt token id 70000 outside the vocabulary"),

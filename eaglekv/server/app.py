@@ -201,42 +201,67 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
             resp["spec"] = spec
         return resp
 
-    async def sse(stream: Stream, endpoint: str, chunk, include_usage: bool, first=None,
-                  logprobs=None):
-        """Server-sent events of one request; the request is aborted if the client leaves.
-        `logprobs(TokenLogprob list)` gives a chunk's logprobs block, when they were asked
-        for; then every new token is sent, even one whose text is still held back."""
-        done, tokens = False, 0
+    async def sse(streams: list[Stream], n: int, endpoint: str, chunk, include_usage: bool,
+                  first=None, logprobs=None):
+        """Server-sent events of one request's streams (its n choices of each prompt, stream i
+        being choice i), interleaved as their tokens come; every stream is aborted if the
+        client leaves. `first(i)` is choice i's opening chunk; `logprobs(i, lps)` a chunk's
+        logprobs block, when they were asked for (then every new token is sent, even one
+        whose text is still held back)."""
+        done, counts = False, [0] * len(streams)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: Stream):
+            try:
+                async for delta in stream:
+                    queue.put_nowait((i, delta))
+                queue.put_nowait((i, None))
+            except Exception as e:  # noqa: BLE001 - the engine failed this request's batch
+                queue.put_nowait((i, e))
+        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         try:
-            if first is not None:
-                yield f"data: {json.dumps(first)}\n\n"
-            async for delta in stream:
-                tokens += len(delta.token_ids)
-                lp = logprobs(delta.logprobs) if logprobs and delta.token_ids else None
+            for i in range(len(streams) if first else 0):
+                yield f"data: {json.dumps(first(i))}\n\n"
+            left = len(streams)
+            while left:
+                i, delta = await queue.get()
+                if delta is None:
+                    left -= 1
+                    continue
+                if isinstance(delta, Exception):
+                    raise delta
+                counts[i] += len(delta.token_ids)
+                lp = logprobs(i, delta.logprobs) if logprobs and delta.token_ids else None
                 if delta.text or delta.finish_reason or lp is not None:
-                    c = chunk(delta.text, delta.finish_reason, logprobs=lp)
+                    c = chunk(delta.text, delta.finish_reason, i, logprobs=lp)
                     yield f"data: {json.dumps(c)}\n\n"
             done = True
-            spec = stream.req.spec_stats
-            metrics.finished(stream, tokens, spec)
+            for s, k in zip(streams, counts):
+                metrics.finished(s, k, s.req.spec_stats)
             metrics.requests.labels(endpoint, "ok").inc()
             if include_usage:
-                n_prompt = len(stream.req.prompt_ids)
+                n_prompt = sum(len(s.req.prompt_ids) for s in streams[::n])   # once a prompt
                 last = chunk("", None)
                 last["choices"] = []
-                last["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": tokens,
-                                 "total_tokens": n_prompt + tokens}
+                last["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": sum(counts),
+                                 "total_tokens": n_prompt + sum(counts)}
+                spec = spec_json([s.req.spec_stats for s in streams])
                 if spec is not None:
-                    last["spec"] = spec_json([spec])
+                    last["spec"] = spec
                 yield f"data: {json.dumps(last)}\n\n"
         except Exception as e:  # noqa: BLE001 - the engine failed this request's batch
             done = True
+            for s in streams:
+                loop.abort(s)
             metrics.requests.labels(endpoint, "error").inc()
             err = error_json(500, f"{type(e).__name__}: {e}", "internal_error")
             yield f"data: {json.dumps(err)}\n\n"
         finally:
+            for t in pumps:
+                t.cancel()
             if not done:   # client disconnected (the generator was closed) or a crash
-                loop.abort(stream)
+                for s in streams:
+                    loop.abort(s)
                 metrics.requests.labels(endpoint, "aborted").inc()
         yield "data: [DONE]\n\n"
 
@@ -260,9 +285,6 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
         check_model(body.model)
         body.refuse_unsupported()
         prompts = body.prompts()
-        if body.stream and len(prompts) > 1:
-            raise RequestRefused("a list of prompts with stream=true is not supported",
-                                 "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         streams = await submit_all(prompts, body, COMPLETIONS_DEFAULT_MAX_TOKENS)
         fmt = LogprobFormatter(loop.engine.tokenizer) if body.logprobs is not None else None
@@ -274,13 +296,12 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
                                                       "finish_reason": finish_reason}]}
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            offset = 0
+            offsets = [0] * len(streams)
 
-            def block(lps):   # text offsets run on across the chunks
-                nonlocal offset
-                b, offset = fmt.completion(lps, offset)
+            def block(i, lps):   # each choice's text offsets run on across its chunks
+                b, offsets[i] = fmt.completion(lps, offsets[i])
                 return b
-            return StreamingResponse(sse(streams[0], "completions", chunk, include,
+            return StreamingResponse(sse(streams, body.n, "completions", chunk, include,
                                          logprobs=block if fmt else None),
                                      media_type="text/event-stream")
         outputs = await collect(streams, "completions", request)
@@ -314,10 +335,14 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
                                  "logprobs": logprobs, "finish_reason": finish_reason}]}
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            first = chunk("", None)
-            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            return StreamingResponse(sse(streams[0], "chat", chunk, include, first,
-                                         logprobs=fmt.chat if fmt else None),
+
+            def first(i):
+                c = chunk("", None, i)
+                c["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                return c
+            return StreamingResponse(sse(streams, body.n, "chat", chunk, include, first,
+                                         logprobs=(lambda i, lps: fmt.chat(lps)) if fmt
+                                         else None),
                                      media_type="text/event-stream")
         outputs = await collect(streams, "chat", request)
         if outputs is None:

@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from eaglekv.config import MAX_TOP_LOGPROBS, SamplingParams
 
 
+MAX_N = 128   # choices of one request: each is a request of its own in the engine
+
+
 class RequestRefused(ValueError):
     """A well-formed request that asks for something eaglekv does not do (HTTP 400)."""
 
@@ -55,11 +58,8 @@ class _Sampling(BaseModel):
             if getattr(self, name) not in (default, {}):
                 raise RequestRefused(f"{name}={getattr(self, name)!r} is not supported "
                                      f"(only {default!r})", name)
-        if self.n < 1:
-            raise RequestRefused(f"n={self.n} must be >= 1", "n")
-        if self.n > 1 and self.stream:
-            raise RequestRefused(f"n={self.n} with stream=true is not supported; use n=1 or "
-                                 f"stream=false", "n")
+        if not 1 <= self.n <= MAX_N:
+            raise RequestRefused(f"n={self.n} must be in [1, {MAX_N}]", "n")
 
     def sampling_params(self, default_max_tokens: int, index: int = 0) -> SamplingParams:
         """`index` (0..n-1) offsets the seed, so the n choices of one request differ."""
