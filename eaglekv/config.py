@@ -25,6 +25,9 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None       # None: off; k: each token's logprob and the top k
+    presence_penalty: float = 0.0     # OpenAI: minus this for a token already in the output
+    frequency_penalty: float = 0.0    # OpenAI: minus this times its count in the output
+    repetition_penalty: float = 1.0   # vLLM / HF: logits of prompt or output tokens / (or *) it
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -41,10 +44,21 @@ class SamplingParams:
             raise ConfigError(f"top_k={self.top_k!r} must be an int >= 0 (0 = off)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError(f"stop={self.stop!r} must hold non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be in [-2, 2]")
+        if not self.repetition_penalty > 0:
+            raise ConfigError(f"repetition_penalty={self.repetition_penalty} must be > 0 "
+                              f"(1 = off)")
         if self.logprobs is not None and (not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise ConfigError(f"logprobs={self.logprobs!r} must be an int in "
                               f"[0, {MAX_TOP_LOGPROBS}] (or None: off)")
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -129,6 +129,19 @@ def test_seeded_sampling_n_choices(server):
     server.wait_idle()
 
 
+def test_penalties_reach_the_engine(server):
+    pen = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3)
+    ref = server.on_engine(lambda e: e.generate([PROMPT], SamplingParams(max_new_tokens=20,
+                                                                         **pen))[0])
+    plain = reference(server, PROMPT, 20)
+    r = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20,
+                                         temperature=0, presence_penalty=0.6,
+                                         frequency_penalty=0.4,
+                                         extra_body={"repetition_penalty": 1.3})
+    assert r.choices[0].text == ref.text != plain.text
+    server.wait_idle()
+
+
 def test_streamed_choices_and_prompts(server):
     """n > 1 and lists of prompts stream too: chunks carry their choice index, each choice
     adds up to what the same request gives unstreamed, usage counts every choice."""
@@ -189,7 +202,8 @@ def test_client_disconnect_non_streaming_frees_kv(server):
     (dict(logprobs=21), r"logprobs=21 must be in \[0, 20\]"),
     (dict(n=0), r"n=0 must be in \[1, 128\]"),
     (dict(n=129, stream=True), r"n=129 must be in \[1, 128\]"),
-    (dict(presence_penalty=0.5), "presence_penalty=0.5 is not supported"),
+    (dict(presence_penalty=2.5), r"presence_penalty=2.5 must be in \[-2, 2\]"),
+    (dict(logit_bias={"5": 1}), r"logit_bias=\{'5': 1\} is not supported"),
     (dict(extra_body={"beam_width": 4}), "unknown field 'beam_width'"),
     (dict(prompt=[70000]), r"prompt token id 70000 outside the vocabulary"),
 ])

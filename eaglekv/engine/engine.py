@@ -19,7 +19,7 @@ from eaglekv.config import EngineConfig, SamplingParams
 from eaglekv.core import ForwardBatch, Output, SpecStats, StreamDelta
 from eaglekv.engine.memory_plan import plan_kv_size
 from eaglekv.engine.request import Req
-from eaglekv.engine.sampler import batch_logprobs, sample_next
+from eaglekv.engine.sampler import apply_penalties, batch_logprobs, sample_next
 from eaglekv.kernels.guard import kv_guard
 from eaglekv.errors import ConfigError, KVIndexError, OutOfKVMemoryError, RequestError
 from eaglekv.memory import KVPool, ReqToTokenPool, SlotAllocator
@@ -264,7 +264,9 @@ class Engine:
                 return
             reqs = [batch_reqs[i] for i in done]
             params = [r.params for r in reqs]
-            tokens = sample_next(out.logits, params,
+            logits = apply_penalties(out.logits, params, [r.output_ids for r in reqs],
+                                     [r.all_ids for r in reqs])
+            tokens = sample_next(logits, params,
                                  [r.generator for r in reqs])        # the step's host sync
             for r, t, lp in zip(reqs, tokens, batch_logprobs(out.logits, tokens, params)):
                 r.append_tokens([t], lp)

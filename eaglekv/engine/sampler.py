@@ -67,3 +67,29 @@ def batch_logprobs(logits: torch.Tensor, tokens: list[int], params: list[Samplin
         for i, lp in zip(want, rows):
             out[i] = [lp]
     return out
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    outputs: list[list[int]], contexts: list[list[int]]) -> torch.Tensor:
+    """(n, V) logits of n positions -> the same with each row's penalties applied, in vLLM's
+    order: the repetition penalty on every token of `contexts[i]` (prompt and output: positive
+    logits divided by it, negative ones multiplied), then the frequency and presence penalties
+    on the tokens of `outputs[i]` (minus count x frequency, minus presence where count > 0).
+    Rows without penalties are left as they are; returns `logits` itself when none has any."""
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return logits
+    out = logits.float().clone()
+    V, dev = out.shape[-1], out.device
+    for i in rows:
+        p, x = params[i], out[i]
+        if p.repetition_penalty != 1.0 and contexts[i]:
+            seen = torch.zeros(V, dtype=torch.bool, device=dev)
+            seen[torch.tensor(contexts[i], device=dev)] = True
+            x = torch.where(seen, torch.where(x > 0, x / p.repetition_penalty,
+                                              x * p.repetition_penalty), x)
+        if (p.frequency_penalty or p.presence_penalty) and outputs[i]:
+            count = torch.bincount(torch.tensor(outputs[i], device=dev), minlength=V)
+            x = x - p.frequency_penalty * count - p.presence_penalty * (count > 0)
+        out[i] = x
+    return out

@@ -2,7 +2,7 @@
 
 Unknown fields are refused with a 400 that names them (nothing is dropped silently); known
 OpenAI fields that eaglekv does not implement are accepted only at their no-op values. Extras
-as in vLLM: `top_k`, `ignore_eos`, `stop_token_ids`. Logprobs: `logprobs` (an int) for
+as in vLLM: `top_k`, `ignore_eos`, `stop_token_ids`, `repetition_penalty`. Logprobs: `logprobs` (an int) for
 completions, `logprobs` + `top_logprobs` for chat, at most 20 alternatives. Defaults follow the OpenAI API:
 temperature 1.0, max_tokens 16 for completions, `default_max_tokens` of the server for chat.
 """
@@ -46,15 +46,15 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
-    user: str | None = None                        # an end-user id: accepted, not used
-    # OpenAI fields accepted only at their no-op values
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0                # a vLLM extra
+    user: str | None = None                        # an end-user id: accepted, not used
+    # OpenAI fields accepted only at their no-op values
     logit_bias: dict | None = None
 
     def refuse_unsupported(self) -> None:
-        for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                              ("logit_bias", None)):
+        for name, default in (("logit_bias", None),):
             if getattr(self, name) not in (default, {}):
                 raise RequestRefused(f"{name}={getattr(self, name)!r} is not supported "
                                      f"(only {default!r})", name)
@@ -71,7 +71,10 @@ class _Sampling(BaseModel):
                               top_p=self.top_p, top_k=self.top_k, stop=stop,
                               stop_token_ids=tuple(self.stop_token_ids),
                               seed=None if self.seed is None else self.seed + index,
-                              ignore_eos=self.ignore_eos, logprobs=self.engine_logprobs())
+                              ignore_eos=self.ignore_eos, logprobs=self.engine_logprobs(),
+                              presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty)
 
     def engine_logprobs(self) -> int | None:
         """SamplingParams.logprobs: None (off) or how many alternatives each token gets."""

@@ -18,7 +18,8 @@ import time
 import torch
 
 from eaglekv.core import ForwardBatch, SpecStats
-from eaglekv.engine.sampler import batch_logprobs, sample_next, token_logprobs
+from eaglekv.engine.sampler import (apply_penalties, batch_logprobs, sample_next,
+                                     token_logprobs)
 from eaglekv.spec.accept import greedy_accept, sample_accept
 from eaglekv.spec.draft_loop import DraftLoop, processed_probs, exponential_noise, uniform_noise
 from eaglekv.spec.slots import DraftSlots
@@ -97,7 +98,9 @@ class EagleWorker:
         if done:
             sampled = [reqs[i] for i in done]
             params = [r.params for r in sampled]
-            tokens = sample_next(out.logits, params,
+            logits = apply_penalties(out.logits, params, [r.output_ids for r in sampled],
+                                     [r.all_ids for r in sampled])
+            tokens = sample_next(logits, params,
                                  [r.generator for r in sampled])          # the step's sync
             for r, t, lp in zip(sampled, tokens, batch_logprobs(out.logits, tokens, params)):
                 r.append_tokens([t], lp)
@@ -161,11 +164,12 @@ class EagleWorker:
         logits = out.logits.view(B, N, -1)                                        # (B, N, V)
         feats = self.drafter.features(out).view(B, N, -1)                         # (B, N, Hf)
         t2 = time.perf_counter()
-        # 3. accept
+        # 3. accept (on the penalized logits; logprobs report the raw ones)
+        pl = self._penalized(reqs, logits, tree)
         if all(r.params.greedy for r in reqs) and tree.draft_probs is None:
-            res = greedy_accept(tree, logits.argmax(-1), S)
+            res = greedy_accept(tree, pl.argmax(-1), S)
         else:
-            p = processed_probs(logits.reshape(B * N, -1),
+            p = processed_probs(pl.reshape(B * N, -1),
                                 [r.params for r in reqs for _ in range(N)]).view(B, N, -1)
             gens = [r.generator for r in reqs]
             res = sample_accept(tree, p, uniform_noise(gens, N, dev),
@@ -209,6 +213,25 @@ class EagleWorker:
                     r.draft_state = (window.logits[b], window.hidden[b])
         elif live:
             self._draft_extend(live, ids, prefix, torch.cat(slots), torch.cat(hidden))
+
+    @staticmethod
+    def _penalized(reqs, logits, tree):
+        """(B, N, V) verify logits with each request's penalties: node j's logits predict the
+        token after node j, so its output is the request's output plus the draft tokens on
+        the path to j (the root is the last output token already)."""
+        if not any(r.params.has_penalties for r in reqs):
+            return logits
+        B, N = tree.tokens.shape
+        toks, mask = tree.tokens.tolist(), tree.mask.tolist()
+        params, outputs, contexts = [], [], []
+        for b, r in enumerate(reqs):
+            for j in range(N):
+                path = [toks[b][i] for i in range(1, N) if mask[b][j][i]]
+                params.append(r.params)
+                outputs.append(r.output_ids + path)
+                contexts.append(r.all_ids + path)
+        return apply_penalties(logits.reshape(B * N, -1), params, outputs,
+                               contexts).view(B, N, -1)
 
     @staticmethod
     def _window_logprobs(reqs, logits, path, acc, toks) -> list[list | None]:
