@@ -4,40 +4,109 @@ HF transformers."""
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
 
 from eaglekv.config import SPEC_ALGORITHMS, EngineConfig, SamplingParams, SpecConfig
-from eaglekv.errors import EaglekvError
+from eaglekv.errors import ConfigError, EaglekvError
+
+CLI_MAX_TOTAL_TOKENS = 4096     # KV pool slots when neither a size nor a memory fraction is given
+SPEC_FLAGS = {"spec": "--spec/--speculative-algorithm",       # dest -> its flags (eaglekv/SGLang)
+              "draft": "--draft/--speculative-draft-model-path",
+              "num_steps": "--num-steps/--speculative-num-steps",
+              "topk": "--topk/--speculative-eagle-topk",
+              "num_draft_tokens": "--num-draft-tokens/--speculative-num-draft-tokens"}
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
-    p.add_argument("--model", default=d.model, help="'default' (SmolLM2-135M-Instruct), a HF "
-                   "directory or a .gguf file")
+    p.add_argument("--model", "--model-path", default=d.model, help="'default' "
+                   "(SmolLM2-135M-Instruct), a HF directory or a .gguf file")
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--device", default=d.device)
     p.add_argument("--page-size", type=int, default=d.page_size)
-    p.add_argument("--max-total-tokens", type=int, default=4096,
-                   help="KV pool slots (default 4096 for the CLI)")
+    p.add_argument("--max-total-tokens", type=int, default=CLI_MAX_TOTAL_TOKENS,
+                   help=f"KV pool slots (default {CLI_MAX_TOTAL_TOKENS} for the CLI; serve "
+                   "with a memory fraction: sized from it)")
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
                    help="prefill tokens a step; a longer prompt is prefilled over several "
                    "steps while the others keep decoding (0: a prompt at once)")
-    sp = SpecConfig()
-    p.add_argument("--spec", default=sp.algorithm, choices=SPEC_ALGORITHMS,
-                   help="speculative decoding algorithm")
-    p.add_argument("--draft", default=sp.draft_model,
+    # No defaults here: spec_config fills them from SpecConfig, and `serve` can tell a flag given.
+    # The second names are SGLang's.
+    p.add_argument("--spec", "--speculative-algorithm", type=str.lower, choices=SPEC_ALGORITHMS,
+                   help="speculative decoding algorithm (default none)")
+    p.add_argument("--draft", "--speculative-draft-model-path",
                    help="draft checkpoint directory (published layout of --spec), 'default' "
                    "(the head shipped for SmolLM2-135M-Instruct), or 'random'")
-    p.add_argument("--num-steps", type=int, default=sp.num_steps)
-    p.add_argument("--topk", type=int, default=sp.topk)
-    p.add_argument("--num-draft-tokens", type=int, default=sp.num_draft_tokens)
+    p.add_argument("--num-steps", "--speculative-num-steps", type=int,
+                   help=f"draft steps (default {SpecConfig.num_steps})")
+    p.add_argument("--topk", "--speculative-eagle-topk", type=int,
+                   help=f"branches a draft step (default {SpecConfig.topk}: a chain)")
+    p.add_argument("--num-draft-tokens", "--speculative-num-draft-tokens", type=int,
+                   help="tokens verified a step, the root included (default: num_steps + 1 "
+                   "for a chain)")
+
+
+def spec_config(options: dict) -> SpecConfig:
+    """SpecConfig from the options given (None: not given, SpecConfig's default). A chain
+    (topk 1) of num_steps drafts verifies num_steps + 1 tokens, so num_draft_tokens follows
+    num_steps unless given."""
+    given = {k: v for k, v in options.items() if v is not None}
+    if given.get("topk", SpecConfig.topk) == 1 and "num_draft_tokens" not in given:
+        given["num_draft_tokens"] = given.get("num_steps", SpecConfig.num_steps) + 1
+    return SpecConfig(**given)
 
 
 def spec_from_args(args) -> SpecConfig:
-    return SpecConfig(algorithm=args.spec, draft_model=args.draft, num_steps=args.num_steps,
-                      topk=args.topk, num_draft_tokens=args.num_draft_tokens)
+    return spec_config({"algorithm": args.spec, "draft_model": args.draft,
+                        "num_steps": args.num_steps, "topk": args.topk,
+                        "num_draft_tokens": args.num_draft_tokens})
+
+
+def _serve_args(v: argparse.ArgumentParser) -> None:
+    """`serve` also takes the flags of `vllm serve` and SGLang's `launch_server` (issue 11)."""
+    v.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model, as --model "
+                   "(vLLM's form: eaglekv serve MODEL)")
+    v.set_defaults(model=None, max_total_tokens=None)   # serve_configs tells given from default
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--served-model-name", default=None,
+                   help="the `model` clients must send (default: the model)")
+    v.add_argument("--max-running-requests", "--max-num-seqs", type=int,
+                   default=EngineConfig().max_running_requests)
+    v.add_argument("--max-context-len", "--max-model-len", "--context-length", type=int,
+                   help="most tokens (prompt + output) a request may reach (default: the "
+                   "model's max_position_embeddings)")
+    v.add_argument("--mem-fraction", "--mem-fraction-static", type=float,
+                   help="fraction of the device's FREE memory, measured after the weights "
+                   "are loaded, that the KV pool takes (default 0.2, at most 0.95; the pool is "
+                   "capped at max-running-requests x max-context-len). SGLang's "
+                   "--mem-fraction-static counts weights + KV cache against TOTAL memory, so "
+                   "the same number gives eaglekv a larger pool. Without --max-total-tokens "
+                   "this sizes the pool")
+    v.add_argument("--gpu-memory-utilization", type=float,
+                   help="as --mem-fraction: a fraction of FREE memory after the weights, for "
+                   "the KV pool alone. vLLM's counts weights, activations and KV cache against "
+                   "TOTAL memory (default 0.9 there), so leave room for activations here")
+    v.add_argument("--seed", type=int, default=None,
+                   help=f"seeds the requests that give no seed (default {EngineConfig.seed})")
+    v.add_argument("--speculative-config", metavar="JSON",
+                   help="vLLM's form, e.g. '{\"method\": \"eagle\", \"model\": \"default\", "
+                   "\"num_speculative_tokens\": 3}'; methods eagle, eagle3, multi_layer_eagle; "
+                   "extra keys topk, num_draft_tokens. Instead of --spec/--draft/--num-steps/"
+                   "--topk/--num-draft-tokens")
+    v.add_argument("--chat-template", help="a Jinja chat template file, or the template "
+                   "itself, used instead of the tokenizer's")
+    v.add_argument("--api-key", help="clients must send `Authorization: Bearer KEY` (default: "
+                   "$EAGLEKV_API_KEY, else $VLLM_API_KEY, else no auth)")
+    v.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens of a chat request that does not set it (default 256)")
+    v.add_argument("--max-request-bytes", type=int, default=None,
+                   help="larger request bodies are answered 413 (default 4 MiB)")
+    v.add_argument("--max-sub-requests", type=int, default=None,
+                   help="most prompts x n in one call (default 256)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,13 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
                        "/v1/chat/completions, /metrics)")
     _engine_args(v)
-    v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=int, default=8000)
-    v.add_argument("--served-model-name", default=None,
-                   help="the `model` clients must send (default: --model)")
-    v.add_argument("--max-running-requests", type=int, default=EngineConfig().max_running_requests)
-    v.add_argument("--default-max-tokens", type=int, default=256,
-                   help="max_tokens of a chat request that does not set it")
+    _serve_args(v)
     bs = sub.add_parser("bench-serve", help="the OpenAI server under concurrent clients vs the "
                         "engine called directly, JSON out")
     _engine_args(bs)
@@ -106,30 +169,111 @@ def cmd_generate(args) -> None:
         print(out.text)
         n, reason = len(out.token_ids), out.finish_reason
     dt = time.perf_counter() - t0
-    st = engine.spec_stats()
+    st, sp = engine.spec_stats(), engine.config.speculative
     spec = ("accept length n/a (plain decoding: no draft model configured)" if st is None else
             f"accept length {st.accept_length_mean:.2f} over {st.verify_steps} verify steps "
-            f"({args.spec}, steps={args.num_steps}, topk={args.topk}, "
-            f"draft tokens={args.num_draft_tokens})")
+            f"({sp.algorithm}, steps={sp.num_steps}, topk={sp.topk}, "
+            f"draft tokens={sp.num_draft_tokens})")
     print(f"[eaglekv] {n} tokens in {dt:.2f}s = {n / dt:.1f} tokens/s, finish_reason={reason}, "
           f"{spec}", file=sys.stderr)
 
 
+def _serve_model(args) -> str | None:
+    if args.model_arg and args.model and args.model_arg != args.model:
+        raise ConfigError(f"the model is given twice, as MODEL {args.model_arg!r} and as "
+                          f"--model/--model-path {args.model!r}; give one")
+    return args.model_arg or args.model
+
+
+def _serve_spec(args) -> SpecConfig:
+    if args.speculative_config is None:
+        return spec_from_args(args)
+    given = [flag for dest, flag in SPEC_FLAGS.items() if getattr(args, dest) is not None]
+    if given:
+        raise ConfigError(f"--speculative-config and {', '.join(given)} both set speculative "
+                          f"decoding; give the JSON or the flags, not both")
+    from eaglekv.server.spec_config import parse_speculative_config
+    options = parse_speculative_config(args.speculative_config)   # its errors name the key
+    try:
+        return spec_config(options)
+    except ConfigError as e:                                        # a rule across keys
+        raise ConfigError(f"--speculative-config {args.speculative_config}: {e}") from None
+
+
+def _mem_fraction(args) -> float | None:
+    vllm, sglang = args.gpu_memory_utilization, args.mem_fraction
+    if vllm is not None and sglang is not None and vllm != sglang:
+        raise ConfigError(f"--gpu-memory-utilization={vllm} and --mem-fraction(-static)={sglang} "
+                          f"both set the KV pool's fraction of free memory; give one")
+    return vllm if vllm is not None else sglang
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """vLLM's rule: an existing file is read, else the value is the template itself if it looks
+    like Jinja (has '{', '}' or a newline); else it is a path with a typo."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--chat-template {value!r}: cannot read the file: {e}") from None
+        if not text.strip():
+            raise ConfigError(f"--chat-template {value!r}: the file is empty")
+        return text
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ConfigError(f"--chat-template {value!r} is neither a file nor a Jinja template; give "
+                      f"the path of an existing file or the template text")
+
+
+def serve_configs(args, environ=os.environ) -> tuple[EngineConfig, "ServerConfig"]:
+    """`serve`'s flags (parsed) -> the engine's and the server's configs; loads nothing.
+    `environ` holds EAGLEKV_API_KEY / VLLM_API_KEY, read when --api-key is not given."""
+    from eaglekv.server.settings import ServerConfig
+    mem = _mem_fraction(args)
+    if mem is not None and args.max_total_tokens is not None:
+        raise ConfigError(f"--max-total-tokens={args.max_total_tokens} sizes the KV pool, so "
+                          f"the memory fraction {mem} would go unused; give one of them")
+    pool = args.max_total_tokens     # None with a fraction given: plan_kv_size sizes it from that
+    if pool is None and mem is None:
+        pool = CLI_MAX_TOTAL_TOKENS
+    engine = {"model": _serve_model(args), "dtype": args.dtype, "device": args.device,
+              "page_size": args.page_size, "max_context_len": args.max_context_len,
+              "max_total_tokens": pool,
+              "mem_fraction": mem, "seed": args.seed,
+              "chunked_prefill_size": args.chunked_prefill_size or None,
+              "max_running_requests": args.max_running_requests,
+              "speculative": _serve_spec(args)}
+    # None: the field's default (max_context_len, max_total_tokens and chunked_prefill_size
+    # take None as a value of their own and stay)
+    optional = ("model", "mem_fraction", "seed")
+    engine_config = EngineConfig(**{k: v for k, v in engine.items()
+                                    if v is not None or k not in optional})
+    api_key = args.api_key if args.api_key is not None else (
+        environ.get("EAGLEKV_API_KEY") or environ.get("VLLM_API_KEY") or None)
+    server = {"model_name": args.served_model_name or engine_config.model, "api_key": api_key,
+              "chat_template": read_chat_template(args.chat_template),
+              "default_max_tokens": args.default_max_tokens,
+              "max_request_bytes": args.max_request_bytes,
+              "max_sub_requests": args.max_sub_requests}
+    return engine_config, ServerConfig(**{k: v for k, v in server.items() if v is not None})
+
+
 def cmd_serve(args) -> None:
+    engine_config, server_config = serve_configs(args)   # a bad flag fails before the model loads
     import uvicorn
 
     from eaglekv.engine import Engine
     from eaglekv.server import EngineLoop, create_app
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                 page_size=args.page_size, max_total_tokens=args.max_total_tokens,
-                                 chunked_prefill_size=args.chunked_prefill_size or None,
-                                 max_running_requests=args.max_running_requests,
-                                 speculative=spec_from_args(args)))
-    loop = EngineLoop(engine).start()
-    app = create_app(loop, args.served_model_name or args.model, args.default_max_tokens)
-    print(f"[eaglekv] serving {args.model} on http://{args.host}:{args.port}/v1 "
-          f"(speculative: {args.spec})", file=sys.stderr)
+    loop = EngineLoop(Engine(engine_config)).start()
     try:
+        app = create_app(loop, server_config)
+        print(f"[eaglekv] serving {engine_config.model} as {server_config.model_name!r} on "
+              f"http://{args.host}:{args.port}/v1 (speculative: "
+              f"{engine_config.speculative.algorithm}"
+              f"{', API key required' if server_config.api_key else ''})", file=sys.stderr)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         loop.shutdown()
@@ -137,6 +281,9 @@ def cmd_serve(args) -> None:
 
 def cmd_bench_serve(args) -> None:
     from eaglekv.bench.serve import main as bench_main
+    sp = spec_from_args(args)   # bench.serve reads the spec flags: hand it them with defaults
+    args.spec, args.draft, args.num_steps, args.topk, args.num_draft_tokens = (
+        sp.algorithm, sp.draft_model, sp.num_steps, sp.topk, sp.num_draft_tokens)
     args.command_line = "eaglekv " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     bench_main(args)
 

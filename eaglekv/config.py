@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -12,6 +13,12 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 MAX_TOP_LOGPROBS = 20   # alternatives per token, as the OpenAI API allows
+
+# Sampling bounds: every value inside them stays finite through the fp32 sampler.
+SAMPLING_EPS = 1e-5          # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
+MAX_TEMPERATURE = 1e4        # logit gaps < 100 shrink below 0.01: uniform to 1% already
+FP32_TINY = torch.finfo(torch.float32).tiny   # smallest normal fp32, 1.1755e-38
+REPETITION_PENALTY_RANGE = (0.01, 100.0)      # logits x or / it stay far inside fp32
 
 
 @dataclass(frozen=True)
@@ -36,20 +43,35 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+        t = self.temperature
+        if not (_is_real(t) and 0 <= t <= MAX_TEMPERATURE):
+            raise ConfigError(f"temperature={t!r} must be >= 0 (0 = greedy) and at most "
+                              f"{MAX_TEMPERATURE:g}: the logits are divided by it in fp32, "
+                              f"and beyond that the distribution is uniform already")
+        if t < SAMPLING_EPS:
+            # as vLLM does: a temperature below _SAMPLING_EPS = 1e-5 is greedy (1 / T would
+            # overflow fp32 for the tiniest ones; the argmax is what they ask for anyway)
+            object.__setattr__(self, "temperature", 0.0)
+        if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
+            raise ConfigError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if self.top_p < FP32_TINY:
+            # below the smallest normal fp32 it would round to 0 in the sampler; any top_p
+            # that small keeps only the most likely token, and so does FP32_TINY
+            object.__setattr__(self, "top_p", FP32_TINY)
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ConfigError(f"top_k={self.top_k!r} must be an int >= 0 (0 = off)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError(f"stop={self.stop!r} must hold non-empty strings")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be in [-2, 2]")
-        if not self.repetition_penalty > 0:
-            raise ConfigError(f"repetition_penalty={self.repetition_penalty} must be > 0 "
-                              f"(1 = off)")
+            v = getattr(self, name)
+            if not (_is_real(v) and -2.0 <= v <= 2.0):   # NaN fails the comparison too
+                raise ConfigError(f"{name}={v!r} must be in [-2, 2]")
+        lo, hi = REPETITION_PENALTY_RANGE
+        rp = self.repetition_penalty
+        if not (_is_real(rp) and lo <= rp <= hi):
+            raise ConfigError(f"repetition_penalty={rp!r} must be > 0 (1 = off) and within "
+                              f"[{lo:g}, {hi:g}]: logits are divided or multiplied by it in "
+                              f"fp32, and outside that range they overflow or vanish")
         if self.logprobs is not None and (not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise ConfigError(f"logprobs={self.logprobs!r} must be an int in "
@@ -63,6 +85,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def _is_real(v) -> bool:
+    """A real number (bool excluded) that is finite: NaN and +-inf fail."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 SPEC_ALGORITHMS = ("none", "eagle", "eagle3", "multi_layer_eagle")

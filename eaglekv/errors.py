@@ -19,6 +19,11 @@ class RequestError(EaglekvError, ValueError):
     """One request cannot be served as asked (too long, bad sampling parameters)."""
 
 
+class RequestFailed(EaglekvError, RuntimeError):
+    """One request failed during a step (e.g. its sampling distribution is not finite); the
+    engine finished it alone, freed its KV and row, and the other requests went on."""
+
+
 class OutOfKVMemoryError(EaglekvError, RuntimeError):
     """The allocator has fewer free slots than asked for."""
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import itertools
 from contextlib import nullcontext
-from collections import deque
-from collections.abc import Iterator, Sequence
+from collections import Counter, deque
+from collections.abc import Hashable, Iterator, Sequence
 
 import torch
 
 from eaglekv.attention import TorchAttentionBackend
 from eaglekv.config import EngineConfig, SamplingParams
 from eaglekv.core import ForwardBatch, Output, SpecStats, StreamDelta
+from eaglekv.engine.fairness import next_to_admit, prefill_shares
 from eaglekv.engine.memory_plan import plan_kv_size
 from eaglekv.engine.request import Req
 from eaglekv.engine.sampler import apply_penalties, batch_logprobs, sample_next
@@ -92,7 +93,10 @@ class Engine:
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Req:
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    group: Hashable = None) -> Req:
+        """Queue a request. `group` names the call it came from (e.g. one HTTP request's n
+        choices): admission gives each group a fair turn (fairness.py); default: its own."""
         params = params or SamplingParams()
         ids = self.encode(prompt)
         vocab = self.model_config.vocab_size
@@ -117,8 +121,10 @@ class Engine:
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seeds))
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        req = Req(rid=next(self._rids), prompt_ids=ids, params=params, generator=gen,
+        rid = next(self._rids)
+        req = Req(rid=rid, prompt_ids=ids, params=params, generator=gen,
                   eos_ids=self.eos_ids, tokenizer=self.tokenizer,
+                  group=("rid", rid) if group is None else group,
                   spec_stats=SpecStats(accept_histogram={}) if self.worker else None)
         self.waiting.append(req)
         return req
@@ -139,17 +145,23 @@ class Engine:
 
     # ---- scheduling ----------------------------------------------------------------------------
     def _admit(self) -> None:
+        """Fill free rows from `waiting` in the fairness order (fairness.py); stop at the first
+        request chosen that does not fit in the KV pool beside the running ones' next steps."""
         ps = self.config.page_size
+        per_group = Counter(r.group for r in self.running)
         while self.waiting and self.req_to_token.free_rows:
-            req = self.waiting[0]
+            i = next_to_admit(self.waiting, per_group)
+            req = self.waiting[i]
             need = self.allocator.pages_needed(0, len(req.pending_ids)) * ps
             # room for each running request's next step: one token, or a speculative step
             headroom = ps * sum(self._step_pages(r) for r in self.running)
             if self.running and self.allocator.available_slots() < need + headroom:
                 return
-            self.waiting.popleft()
+            del self.waiting[i]
+            req.preempted = False
             req.row = self.req_to_token.alloc()
             self.running.append(req)
+            per_group[req.group] += 1
 
     def _step_pages(self, req: Req) -> int:
         return 1 if self.worker is None else self.worker.pages_needed(req)
@@ -174,6 +186,7 @@ class Engine:
         """Free a request's KV and queue it first; it is recomputed when it comes back."""
         self._release(victim)
         self.running.remove(victim)
+        victim.preempted = True
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
 
@@ -190,22 +203,19 @@ class Engine:
     # ---- one step ------------------------------------------------------------------------------
     def _chunk(self, reqs: list[Req]) -> list[tuple[Req, int]]:
         """How many of its pending tokens each request extends by this step. Chunked prefill:
-        every decode (one pending token) goes in, then the prefills, in order, share what is
-        left of `chunked_prefill_size` tokens; a prompt longer than that is prefilled over
-        several steps, and the decodes keep running meanwhile."""
+        every decode (one pending token) goes in, then the prefills share what is left of
+        `chunked_prefill_size` tokens max-min fairly (fairness.prefill_shares); a prompt
+        longer than its share is prefilled over several steps, the decodes keep running."""
         limit = self.config.chunked_prefill_size
+        pending = [len(r.pending_ids) for r in reqs]
         if limit is None:
-            return [(r, len(r.pending_ids)) for r in reqs]
-        budget = limit - sum(len(r.pending_ids) == 1 for r in reqs)
-        takes = []
-        for r in reqs:
-            n = len(r.pending_ids)
-            if n > 1:
-                n = min(n, max(budget, 0))
-                budget -= n
-            if n:
-                takes.append((r, n))
-        return takes
+            return list(zip(reqs, pending))
+        prefills = [i for i, n in enumerate(pending) if n > 1]
+        shares = prefill_shares([pending[i] for i in prefills],
+                                limit - (len(reqs) - len(prefills)))
+        for i, n in zip(prefills, shares):
+            pending[i] = n
+        return [(r, n) for r, n in zip(reqs, pending) if n]
 
     def _plan_extend(self, takes: list[tuple[Req, int]]
                      ) -> list[tuple[Req, list[int], int, torch.Tensor]]:
@@ -269,7 +279,10 @@ class Engine:
             tokens = sample_next(logits, params,
                                  [r.generator for r in reqs])        # the step's host sync
             for r, t, lp in zip(reqs, tokens, batch_logprobs(out.logits, tokens, params)):
-                r.append_tokens([t], lp)
+                if t is None:     # not a usable distribution: it fails alone, freed below
+                    r.fail_sampling()
+                else:
+                    r.append_tokens([t], lp)
         self._run_guarded(batch_reqs, run)
         return batch_reqs
 
@@ -291,6 +304,9 @@ class Engine:
     # ---- public API ----------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Output]:
+        """Run the prompts to the end. A request that fails alone (RequestFailed: its sampling
+        distribution was not finite) is raised once every other one has finished; to keep the
+        others' outputs, drive add_request / step and read each `req.error`."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -299,6 +315,9 @@ class Engine:
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         while any(not r.finished for r in reqs):
             self.step()
+        failed = [r for r in reqs if r.error is not None]
+        if failed:
+            raise failed[0].error
         return [r.to_output() for r in reqs]
 
     def apply_chat_template(self, conversation: list[dict]) -> list[int]:
@@ -315,6 +334,8 @@ class Engine:
         req = self.add_request(prompt, params)
         while not req.finished:
             self.step()
+            if req.error is not None:
+                raise req.error
             delta = req.stream_delta()
             if delta is not None:
                 yield delta

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
 
 from eaglekv.config import SamplingParams
 from eaglekv.core import Output, SpecStats, StreamDelta
+from eaglekv.errors import RequestFailed
 
 
 @dataclass
@@ -22,7 +24,10 @@ class Req:
     row: int = 0                       # ReqToTokenPool row, 0 = not placed
     kv_len: int = 0                    # tokens whose K/V are in the cache
     last_slot: int = -1                # slot of position kv_len - 1
-    finish_reason: str | None = None
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
+    error: Exception | None = None     # why, when finish_reason == "error"
+    group: Hashable = None             # admission fairness: the call it came from (engine.py)
+    preempted: bool = False            # waiting again after a preemption: admitted first
     text: str = ""
     tokenizer: object = None
     draft_state: tuple | None = None   # speculative: the draft's (logits, hidden) at the root
@@ -43,6 +48,22 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def fail(self, error: Exception) -> None:
+        """Finish this request alone with `error`; the engine frees its KV and row as for an
+        abort, and the other requests of the step go on."""
+        self.finish_reason, self.error = "error", error
+
+    def fail_sampling(self) -> None:
+        """Its distribution was not finite, had p < 0 or no mass (see sampler.valid_probs)."""
+        p = self.params
+        self.fail(RequestFailed(
+            f"request {self.rid}: the sampling distribution is not finite (temperature="
+            f"{p.temperature}, top_p={p.top_p}, top_k={p.top_k}, repetition_penalty="
+            f"{p.repetition_penalty}, presence_penalty={p.presence_penalty}, "
+            f"frequency_penalty={p.frequency_penalty}); this request failed alone after "
+            f"{len(self.output_ids)} tokens. Values that pass SamplingParams validation keep "
+            f"it finite; if these did, the model's logits were not finite (try float32)"))
 
     def refresh_text(self) -> str:
         """Decode the output (lazily: plain generation decodes once, at the end)."""

@@ -1,7 +1,8 @@
 """Next-token choice from logits: greedy, or temperature / top-k / top-p sampling.
 
 `target_probs` is the distribution sampling draws from, kept separate so that speculative
-acceptance can use exactly the same p.
+acceptance can use exactly the same p. A row whose distribution is unusable (`valid_probs`,
+`valid_argmax`) gives no token: its request fails alone, the rest of the batch goes on.
 """
 
 from __future__ import annotations
@@ -21,26 +22,55 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     probs = torch.softmax(x, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        # keep the smallest prefix whose mass reaches top_p; the first token always stays,
+        # even where top_p rounds to 0 in fp32
         drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= params.top_p
+        drop[..., 0] = False
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
 
+def valid_probs(probs: torch.Tensor) -> torch.Tensor:
+    """(B, ..., V) distributions -> (B,) bool: every distribution of row b can be sampled,
+    i.e. all p >= 0 (NaN fails), sum(p) finite and > 0 (what torch.multinomial demands)."""
+    flat = probs.reshape(probs.shape[0], -1, probs.shape[-1])                 # (B, n, V)
+    mass = flat.sum(-1)                                                        # (B, n)
+    return ((flat >= 0).all(-1) & torch.isfinite(mass) & (mass > 0)).all(-1)  # (B,)
+
+
+def valid_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """(B, ..., V) logits -> (B,) bool: every argmax of row b is well defined, i.e. no logit
+    is NaN or +inf and at least one is finite (-inf alone is allowed: a masked token)."""
+    flat = logits.reshape(logits.shape[0], -1, logits.shape[-1])              # (B, n, V)
+    return ((flat < float("inf")).all(-1) & (flat > float("-inf")).any(-1)).all(-1)
+
+
 def sample_next(logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator]) -> list[int]:
-    """(B, V) logits -> B tokens; one host sync for the batch."""
-    if all(p.greedy for p in params):
-        return logits.argmax(-1).tolist()
-    out = []
-    for row, p, g in zip(logits, params, generators):
-        if p.greedy:
-            out.append(row.argmax(-1))
-        else:
-            out.append(torch.multinomial(target_probs(row, p), 1, generator=g)[0])
-    return torch.stack(out).tolist()
+                generators: list[torch.Generator]) -> list[int | None]:
+    """(B, V) logits -> B tokens, None for a row whose distribution is unusable (that request
+    fails alone). One host sync for the batch: the validity flags come back with the tokens."""
+    ok = valid_argmax(logits)                                                  # (B,)
+    tokens = logits.argmax(-1)                                                 # (B,)
+    if not all(p.greedy for p in params):
+        # an unusable row draws from a stand-in (all mass on token 0) whose token is dropped:
+        # multinomial never sees NaN, inf, p < 0 or a zero sum
+        stand_in = torch.zeros(logits.shape[-1], device=logits.device)          # (V,)
+        stand_in[0] = 1.0
+        picks = []
+        for b, (p, g) in enumerate(zip(params, generators)):
+            if p.greedy:
+                picks.append(tokens[b])
+                continue
+            probs = target_probs(logits[b], p)                                 # (V,)
+            good = valid_probs(probs[None])[0]
+            probs = torch.where(good, probs, stand_in)
+            picks.append(torch.multinomial(probs, 1, generator=g)[0])
+            ok[b] &= good
+        tokens = torch.stack(picks)
+    host = torch.stack([tokens, ok.long()], 1).tolist()                        # the sync
+    return [t if good else None for t, good in host]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: list[int]) -> list[TokenLogprob]:
@@ -58,8 +88,9 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: list[int]) -> l
 def batch_logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]
                    ) -> list[list[TokenLogprob] | None]:
     """One new token per request (logits (B, V)): [its TokenLogprob] where the request asked
-    for logprobs, else None; nothing is computed when none did."""
-    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    for logprobs, else None (also where its token is None: it failed); nothing is computed
+    when none did."""
+    want = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] is not None]
     out: list[list[TokenLogprob] | None] = [None] * len(params)
     if want:
         rows = token_logprobs(logits[want], [tokens[i] for i in want],

@@ -1,81 +1,41 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (both streaming),
-/v1/models, /health and Prometheus /metrics. Errors are OpenAI-style bodies:
-`{"error": {"message", "type", "param", "code"}}` with 400 for a bad request, 404 for an
-unknown model, 500 when the engine failed the request's batch (the server keeps serving)."""
+/v1/models, /tokenize, /detokenize, /version, /health and Prometheus /metrics.
+
+One request can harm no other: prompts are tokenized on worker threads, not on the engine
+thread; a body over the limit is refused (413) before it is parsed; one call's sub-requests
+(prompts x n) are capped and submitted in one visit to the engine thread, watched for a
+hang-up from the start; a request whose sampling fails, fails alone. Every error has the
+OpenAI shape `{"error": {"message", "type", "param", "code"}}` (see http_errors.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
+import itertools
 import logging
 import time
-import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client import generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
 
-from eaglekv.core import Output, SpecStats
-from eaglekv.errors import EaglekvError, KVIndexError
+import eaglekv
+from eaglekv.errors import EaglekvError
+from eaglekv.server.http_errors import (ModelNotFound, error_body, error_json,
+                                        install_error_handlers)
 from eaglekv.server.logprobs import LogprobFormatter
 from eaglekv.server.loop import EngineLoop, Stream
-from eaglekv.server.protocol import ChatCompletionRequest, CompletionRequest, RequestRefused
+from eaglekv.server.metrics import Metrics
+from eaglekv.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from eaglekv.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     RequestRefused, TokenizeRequest)
+from eaglekv.server.responses import SSE, usage
+from eaglekv.server.settings import ServerConfig
+from eaglekv.server.tokenize import Tokenization
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # the OpenAI API's default for /v1/completions
 log = logging.getLogger("eaglekv.server")
-
-
-class ModelNotFound(LookupError):
-    pass
-
-
-class Metrics:
-    """One registry per app (several servers may live in one test process)."""
-
-    def __init__(self):
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("eaglekv_requests", "finished HTTP generation requests",
-                                ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter("eaglekv_prompt_tokens", "prompt tokens", registry=r)
-        self.generation_tokens = Counter("eaglekv_generation_tokens", "generated tokens",
-                                         registry=r)
-        self.verify_steps = Counter("eaglekv_spec_verify_steps", "speculative verify steps",
-                                    registry=r)
-        self.accepted = Counter("eaglekv_spec_accepted_tokens",
-                                "draft tokens accepted (bonus tokens not counted)", registry=r)
-        self.running = Gauge("eaglekv_num_requests_running", "requests in the batch",
-                             registry=r)
-        self.waiting = Gauge("eaglekv_num_requests_waiting", "requests queued", registry=r)
-        self.latency = Histogram("eaglekv_request_latency_seconds", "submit to last token",
-                                 registry=r)
-        self.ttft = Histogram("eaglekv_time_to_first_token_seconds", "submit to first token",
-                              registry=r)
-
-    def on_step(self, engine) -> None:
-        self.running.set(len(engine.running))
-        self.waiting.set(len(engine.waiting))
-
-    def finished(self, stream: Stream, completion_tokens: int, spec: SpecStats | None) -> None:
-        now = time.perf_counter()
-        self.prompt_tokens.inc(len(stream.req.prompt_ids))
-        self.generation_tokens.inc(completion_tokens)
-        self.latency.observe(now - stream.submitted_at)
-        if stream.first_token_at is not None:
-            self.ttft.observe(stream.first_token_at - stream.submitted_at)
-        if spec is not None:
-            self.verify_steps.inc(spec.verify_steps)
-            self.accepted.inc(spec.accepted_tokens)
-
-
-def error_json(status: int, message: str, type_: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
-
-
-def error_body(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content=error_json(status, message, type_, param))
 
 
 def answers_500(route):
@@ -90,91 +50,77 @@ def answers_500(route):
             raise
         except Exception as e:  # noqa: BLE001
             log.exception("request failed")
-            return error_body(500, f"{type(e).__name__}: {e}", "internal_error")
+            return error_body(500, f"{type(e).__name__}: {e}")
     return wrapper
 
 
-def spec_json(stats: list[SpecStats | None]) -> dict | None:
-    stats = [s for s in stats if s is not None]
-    if not stats:
-        return None
-    total = SpecStats(verify_steps=sum(s.verify_steps for s in stats),
-                      draft_tokens=sum(s.draft_tokens for s in stats),
-                      accepted_tokens=sum(s.accepted_tokens for s in stats))
-    return {"verify_steps": total.verify_steps, "draft_tokens": total.draft_tokens,
-            "accepted_tokens": total.accepted_tokens,
-            "accept_length_mean": total.accept_length_mean}
+def create_app(loop: EngineLoop, config: ServerConfig | str = "default",
+               default_max_tokens: int | None = None) -> FastAPI:
+    """`config`: the ServerConfig, or just the served model name (with `default_max_tokens`)."""
+    if isinstance(config, str):
+        config = ServerConfig(model_name=config, **(
+            {} if default_max_tokens is None else {"default_max_tokens": default_max_tokens}))
+    model_name = config.model_name
+    app = FastAPI(title="eaglekv", version=eaglekv.__version__)
+    metrics = Metrics(model_name)
+    loop.on_change, loop.on_tokens = metrics.refresh, metrics.token_delivered
+    tok = Tokenization(loop.engine.tokenizer, config.chat_template)
+    app.state.loop, app.state.metrics, app.state.tokenization = loop, metrics, tok
+    app.router.on_shutdown.append(tok.close)
+    install_error_handlers(app)
+    # outermost last: request id -> API key -> body limit -> routes
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(RequestIdMiddleware, metrics=metrics)
+    calls = itertools.count(1)   # one group per HTTP call, for the scheduler's fairness rule
+    max_len = loop.engine.max_context_len
 
-
-def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256) -> FastAPI:
-    """`default_max_tokens`: max_tokens of a chat request that does not set it."""
-    app = FastAPI(title="eaglekv", version="0.1.0")
-    metrics = Metrics()
-    loop.on_step = metrics.on_step
-    app.state.loop, app.state.metrics = loop, metrics
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_, exc: RequestValidationError):
-        err = exc.errors()[0]
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        where = ".".join(loc) or "body"
-        msg = (f"unknown field '{where}'" if err.get("type") == "extra_forbidden"
-               else f"{where}: {err.get('msg')}")
-        return error_body(400, msg, "invalid_request_error", loc[0] if loc else None)
-
-    @app.exception_handler(RequestRefused)
-    async def _refused(_, exc: RequestRefused):
-        return error_body(400, str(exc), "invalid_request_error", exc.param)
-
-    @app.exception_handler(EaglekvError)
-    async def _engine_refused(_, exc: EaglekvError):
-        if isinstance(exc, KVIndexError):
-            return error_body(500, f"{type(exc).__name__}: {exc}", "internal_error")
-        return error_body(400, f"{type(exc).__name__}: {exc}", "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def _crash(_, exc: Exception):   # a bug, not the client's fault: still a JSON body
-        return error_body(500, f"{type(exc).__name__}: {exc}", "internal_error")
-
-    @app.exception_handler(ModelNotFound)
-    async def _no_model(_, exc: ModelNotFound):
-        return error_body(404, str(exc), "invalid_request_error", "model")
-
-    async def wait_disconnect(request: Request, every: float = 0.2) -> None:
+    async def wait_disconnect(request: Request, every: float = 0.1) -> None:
         while not await request.is_disconnected():
             await asyncio.sleep(every)
 
-    def check_model(name: str) -> None:
-        if name != model_name:
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
             raise ModelNotFound(f"model '{name}' does not exist; this server serves "
                                 f"'{model_name}'")
 
-    async def submit_all(prompts: list, body, default_max: int) -> list[Stream]:
-        streams: list[Stream] = []
-        try:
-            for p in prompts:
-                for j in range(body.n):
-                    streams.append(await loop.submit(p, body.sampling_params(default_max, j)))
-        except BaseException:
+    def check_total(n_prompts: int, n: int) -> None:
+        if n_prompts * n > config.max_sub_requests:
+            raise RequestRefused(f"{n_prompts} prompts x n={n} = {n_prompts * n} sub-requests "
+                                 f"exceed the limit of {config.max_sub_requests} per call "
+                                 f"(--max-sub-requests)", "n" if n > 1 else "prompt")
+
+    async def submit(request: Request, watch: asyncio.Future, ids: list[list[int]], body,
+                     default_max: int) -> list[Stream] | None:
+        """Stream i * n + j is choice j of prompt i. None when the client has already gone
+        (nothing is left running for it)."""
+        params = [body.sampling_params(default_max, j) for j in range(body.n)]
+        if watch.done():
+            return None
+        streams = await loop.submit_many([(p, sp) for p in ids for sp in params],
+                                         group=next(calls))
+        if watch.done():   # it left while we were queueing: no work for nobody
             for s in streams:
                 loop.abort(s)
-            raise
+            return None
         return streams
 
-    async def collect(streams: list[Stream], endpoint: str, request: Request):
+    def gone(endpoint: str) -> JSONResponse:
+        metrics.requests.labels(endpoint, "aborted").inc()
+        return JSONResponse(status_code=499, content=error_json(499, "client closed the "
+                                                                "request"))
+
+    async def collect(streams: list[Stream], endpoint: str, watch: asyncio.Future):
         """All outputs of a non-streaming request; None if the client went away first (then
         its requests are aborted and their KV freed)."""
-        results = asyncio.ensure_future(asyncio.gather(*(s.result() for s in streams)))
-        watcher = asyncio.ensure_future(wait_disconnect(request))
-        try:
-            await asyncio.wait([results, watcher], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
+        results = asyncio.gather(*(s.result() for s in streams))
+        await asyncio.wait([results, watch], return_when=asyncio.FIRST_COMPLETED)
         if not results.done():
             results.cancel()
+            results.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
             for s in streams:
                 loop.abort(s)
-            metrics.requests.labels(endpoint, "aborted").inc()
             return None
         try:
             outputs = results.result()
@@ -184,109 +130,107 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
             metrics.requests.labels(endpoint, "error").inc()
             raise
         for s, o in zip(streams, outputs):
-            metrics.finished(s, len(o.token_ids), o.spec)
+            metrics.finished(s, len(o.token_ids), o.finish_reason)
         metrics.requests.labels(endpoint, "ok").inc()
         return outputs
 
-    def response(rid: str, obj: str, created: int, outputs: list[Output], n: int,
-                 choices: list[dict]) -> dict:
-        prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])   # once per prompt
-        completion = sum(len(o.token_ids) for o in outputs)
+    def response(rid: str, obj: str, created: int, outputs, n: int, choices: list[dict]) -> dict:
         resp = {"id": rid, "object": obj, "created": created, "model": model_name,
                 "choices": choices,
-                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                          "total_tokens": prompt + completion}}
-        spec = spec_json([o.spec for o in outputs])
+                "usage": usage(sum(len(o.prompt_token_ids) for o in outputs[::n]),  # per prompt
+                               sum(len(o.token_ids) for o in outputs))}
+        spec = SSE.spec_json([o.spec for o in outputs])
         if spec is not None:
             resp["spec"] = spec
         return resp
 
-    async def sse(streams: list[Stream], n: int, endpoint: str, chunk, include_usage: bool,
-                  first=None, logprobs=None):
-        """Server-sent events of one request's streams (its n choices of each prompt, stream i
-        being choice i), interleaved as their tokens come; every stream is aborted if the
-        client leaves. `first(i)` is choice i's opening chunk; `logprobs(i, lps)` a chunk's
-        logprobs block, when they were asked for (then every new token is sent, even one
-        whose text is still held back)."""
-        done, counts = False, [0] * len(streams)
-        queue: asyncio.Queue = asyncio.Queue()
+    def request_id(request: Request, prefix: str) -> str:
+        return f"{prefix}-{request.state.request_id}"
 
-        async def pump(i: int, stream: Stream):
-            try:
-                async for delta in stream:
-                    queue.put_nowait((i, delta))
-                queue.put_nowait((i, None))
-            except Exception as e:  # noqa: BLE001 - the engine failed this request's batch
-                queue.put_nowait((i, e))
-        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    async def generate(request: Request, body, endpoint: str, obj: str, prompts_ids,
+                       default_max: int, chunk, choice, first=None, logprobs=None):
+        """The part both endpoints share: submit, then stream or collect."""
+        watch = request.state.watch
         try:
-            for i in range(len(streams) if first else 0):
-                yield f"data: {json.dumps(first(i))}\n\n"
-            left = len(streams)
-            while left:
-                i, delta = await queue.get()
-                if delta is None:
-                    left -= 1
-                    continue
-                if isinstance(delta, Exception):
-                    raise delta
-                counts[i] += len(delta.token_ids)
-                lp = logprobs(i, delta.logprobs) if logprobs and delta.token_ids else None
-                if delta.text or delta.finish_reason or lp is not None:
-                    c = chunk(delta.text, delta.finish_reason, i, logprobs=lp)
-                    yield f"data: {json.dumps(c)}\n\n"
-            done = True
-            for s, k in zip(streams, counts):
-                metrics.finished(s, k, s.req.spec_stats)
-            metrics.requests.labels(endpoint, "ok").inc()
-            if include_usage:
-                n_prompt = sum(len(s.req.prompt_ids) for s in streams[::n])   # once a prompt
-                last = chunk("", None)
-                last["choices"] = []
-                last["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": sum(counts),
-                                 "total_tokens": n_prompt + sum(counts)}
-                spec = spec_json([s.req.spec_stats for s in streams])
-                if spec is not None:
-                    last["spec"] = spec
-                yield f"data: {json.dumps(last)}\n\n"
-        except Exception as e:  # noqa: BLE001 - the engine failed this request's batch
-            done = True
-            for s in streams:
-                loop.abort(s)
-            metrics.requests.labels(endpoint, "error").inc()
-            err = error_json(500, f"{type(e).__name__}: {e}", "internal_error")
-            yield f"data: {json.dumps(err)}\n\n"
-        finally:
-            for t in pumps:
-                t.cancel()
-            if not done:   # client disconnected (the generator was closed) or a crash
-                for s in streams:
-                    loop.abort(s)
-                metrics.requests.labels(endpoint, "aborted").inc()
-        yield "data: [DONE]\n\n"
+            ids = await prompts_ids()
+            streams = await submit(request, watch, ids, body, default_max)
+            if streams is None:
+                return gone(endpoint)
+            if body.stream:
+                opts = body.stream_options
+                sse = SSE(loop, metrics, streams, body.n, endpoint, chunk,
+                          include_usage=bool(opts and opts.include_usage),
+                          continuous_usage=bool(opts and opts.continuous_usage_stats),
+                          first=first, logprobs=logprobs)
+                return StreamingResponse(sse.events(), media_type="text/event-stream",
+                                         background=BackgroundTask(sse.abort_all))
+            outputs = await collect(streams, endpoint, watch)
+            if outputs is None:
+                return gone(endpoint)
+            return response(request.state.rid, obj, request.state.created, outputs, body.n,
+                            [choice(i, o) for i, o in enumerate(outputs)])
+        finally:   # a stream's hang-up is seen by Starlette from here on
+            watch.cancel()
+
+    def begin(request: Request, prefix: str) -> None:
+        """Watch for a hang-up from the first moment of a generation request."""
+        request.state.watch = asyncio.ensure_future(wait_disconnect(request))
+        request.state.rid = request_id(request, prefix)
+        request.state.created = int(time.time())
 
     @app.get("/health")
     async def health():
         return {"status": "ok"}
 
+    @app.get("/version")
+    async def version():
+        return {"version": eaglekv.__version__}
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "eaglekv",
+                "root": loop.engine.config.model, "parent": None, "max_model_len": max_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
-                                            "created": 0, "owned_by": "eaglekv"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id)
+        return model_card()
 
     @app.get("/metrics")
     async def prometheus():
         return PlainTextResponse(generate_latest(metrics.registry),
                                  media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/tokenize")
+    @answers_500
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        body.check()
+        if body.messages is not None:
+            ids = await tok.chat(body.conversation(), body.add_generation_prompt)
+        else:
+            ids = await tok.encode(body.prompt, body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": max_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    @answers_500
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        body.check_vocab(loop.engine.model_config.vocab_size)
+        return {"prompt": await tok.decode(body.tokens)}
+
     @app.post("/v1/completions")
     @answers_500
     async def completions(body: CompletionRequest, request: Request):
+        begin(request, "cmpl")
         check_model(body.model)
         body.refuse_unsupported()
         prompts = body.prompts()
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = await submit_all(prompts, body, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        check_total(len(prompts), body.n)
+        rid, created = request.state.rid, request.state.created
         fmt = LogprobFormatter(loop.engine.tokenizer) if body.logprobs is not None else None
 
         def chunk(text, finish_reason, index=0, logprobs=None):
@@ -294,64 +238,53 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 256)
                     "model": model_name, "choices": [{"index": index, "text": text,
                                                       "logprobs": logprobs,
                                                       "finish_reason": finish_reason}]}
-        if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            offsets = [0] * len(streams)
+        offsets: dict[int, int] = {}
 
-            def block(i, lps):   # each choice's text offsets run on across its chunks
-                b, offsets[i] = fmt.completion(lps, offsets[i])
-                return b
-            return StreamingResponse(sse(streams, body.n, "completions", chunk, include,
-                                         logprobs=block if fmt else None),
-                                     media_type="text/event-stream")
-        outputs = await collect(streams, "completions", request)
-        if outputs is None:
-            return JSONResponse(status_code=499, content=error_json(499, "client closed the "
-                                "request", "aborted"))
-        return response(rid, "text_completion", created, outputs, body.n,
-                        [chunk(o.text, o.finish_reason, i,
-                               fmt.completion(o.logprobs)[0] if fmt else None)["choices"][0]
-                         for i, o in enumerate(outputs)])
+        def block(i, lps):   # each choice's text offsets run on across its chunks
+            b, offsets[i] = fmt.completion(lps, offsets.get(i, 0))
+            return b
+
+        def choice(i, o):
+            return chunk(o.text, o.finish_reason, i,
+                         fmt.completion(o.logprobs)[0] if fmt else None)["choices"][0]
+        return await generate(request, body, "completions", "text_completion",
+                              lambda: tok.prompts(prompts), COMPLETIONS_DEFAULT_MAX_TOKENS,
+                              chunk, choice, logprobs=block if fmt else None)
 
     @app.post("/v1/chat/completions")
     @answers_500
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        begin(request, "chatcmpl")
         check_model(body.model)
         body.refuse_unsupported()
-        engine = loop.engine
-        if engine.tokenizer is None:
+        check_total(1, body.n)
+        if loop.engine.tokenizer is None:
             raise RequestRefused("this model has no tokenizer, so no chat template; use "
                                  "/v1/completions with token ids", "messages")
-        conversation = body.conversation()   # tokenized on the engine thread, like prompts
-        ids = await asyncio.wrap_future(loop.call(lambda e: e.apply_chat_template(conversation)))
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = await submit_all([ids], body, default_max_tokens)
-        fmt = LogprobFormatter(engine.tokenizer) if body.logprobs else None
+        conversation = body.conversation()
+        rid, created = request.state.rid, request.state.created
+        fmt = LogprobFormatter(loop.engine.tokenizer) if body.logprobs else None
 
         def chunk(text, finish_reason, index=0, logprobs=None):
             return {"id": rid, "object": "chat.completion.chunk", "created": created,
                     "model": model_name,
                     "choices": [{"index": index, "delta": {"content": text} if text else {},
                                  "logprobs": logprobs, "finish_reason": finish_reason}]}
-        if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
 
-            def first(i):
-                c = chunk("", None, i)
-                c["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                return c
-            return StreamingResponse(sse(streams, body.n, "chat", chunk, include, first,
-                                         logprobs=(lambda i, lps: fmt.chat(lps)) if fmt
-                                         else None),
-                                     media_type="text/event-stream")
-        outputs = await collect(streams, "chat", request)
-        if outputs is None:
-            return JSONResponse(status_code=499, content=error_json(499, "client closed the "
-                                "request", "aborted"))
-        return response(rid, "chat.completion", created, outputs, body.n,
-                        [{"index": i, "message": {"role": "assistant", "content": o.text},
-                          "logprobs": fmt.chat(o.logprobs) if fmt else None,
-                          "finish_reason": o.finish_reason}
-                         for i, o in enumerate(outputs)])
+        def first(i):
+            c = chunk("", None, i)
+            c["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            return c
+
+        def choice(i, o):
+            return {"index": i, "message": {"role": "assistant", "content": o.text},
+                    "logprobs": fmt.chat(o.logprobs) if fmt else None,
+                    "finish_reason": o.finish_reason}
+
+        async def ids():
+            return [await tok.chat(conversation)]
+        return await generate(request, body, "chat", "chat.completion", ids,
+                              config.default_max_tokens, chunk, choice, first=first,
+                              logprobs=(lambda i, lps: fmt.chat(lps)) if fmt else None)
 
     return app

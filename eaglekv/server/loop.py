@@ -42,6 +42,7 @@ class Stream:
     req: Req | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    last_token_at: float | None = None
 
     def put(self, item) -> None:   # engine thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -66,14 +67,17 @@ class Stream:
 
 
 class EngineLoop:
-    def __init__(self, engine, on_step=None):
+    def __init__(self, engine, on_change=None, on_tokens=None):
         owner = getattr(engine, "_engine_loop", None)
         if owner is not None and not owner._stop.is_set():
             raise RuntimeError("this engine is already driven by a running EngineLoop; "
                                "shut that one down first (one thread may step an engine)")
         engine._engine_loop = self
         self.engine = engine
-        self.on_step = on_step            # called on the engine thread after every step
+        # engine-thread hooks: on_change(engine) after every step and after any work handed
+        # in between steps (submits, aborts), so gauges follow the engine even while it idles;
+        # on_tokens(stream, now) when a delta with tokens goes to a stream
+        self.on_change, self.on_tokens = on_change, on_tokens
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[int, tuple[Req, Stream]] = {}
         self._stop = threading.Event()
@@ -101,20 +105,38 @@ class EngineLoop:
     # ---- asyncio side ----------------------------------------------------------------------
     async def submit(self, prompt, params: SamplingParams) -> Stream:
         """Queue a request; raises the engine's RequestError here if it is refused."""
+        return (await self.submit_many([(prompt, params)]))[0]
+
+    async def submit_many(self, requests: list[tuple], group: int | None = None) -> list[Stream]:
+        """Queue (prompt, params) requests in one visit to the engine thread, all or none: if
+        the engine refuses one, those already added are aborted and the error raised here.
+        `group` ties them together for the scheduler's fairness rule (one HTTP call)."""
         if not self._thread.is_alive():
             raise RuntimeError("the engine thread is not running")
-        stream = Stream(asyncio.get_running_loop())
+        aio = asyncio.get_running_loop()
+        streams = [Stream(aio) for _ in requests]
 
         def add(engine):
-            req = engine.add_request(prompt, params)
-            stream.req = req
-            self._streams[req.rid] = (req, stream)
-            return req
+            added = []
+            try:
+                for stream, (prompt, params) in zip(streams, requests):
+                    req = engine.add_request(prompt, params, group=group)
+                    stream.req = req
+                    added.append(req)
+                    self._streams[req.rid] = (req, stream)
+            except BaseException:
+                for req in added:
+                    self._streams.pop(req.rid, None)
+                    engine.abort(req)
+                raise
         await asyncio.wrap_future(self.call(add))
-        return stream
+        return streams
 
     def abort(self, stream: Stream) -> None:
         """The client went away: stop the request and free its KV (no-op once finished)."""
+        if stream.req is None:   # never reached the engine
+            return
+
         def stop(engine):
             entry = self._streams.pop(stream.req.rid, None)
             if entry is not None:
@@ -124,7 +146,8 @@ class EngineLoop:
     # ---- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain(block=not self.engine.has_unfinished())
+            if self._drain(block=not self.engine.has_unfinished()):
+                self._changed()
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
             try:
@@ -145,8 +168,14 @@ class EngineLoop:
             self._fail_all(e)
             return
         self._publish(error)
-        if self.on_step is not None:
-            self.on_step(self.engine)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change(self.engine)
+            except Exception:  # noqa: BLE001 - a metrics bug must not stop the engine
+                log.exception("on_change hook failed")
 
     def _fail_all(self, error: Exception) -> None:
         for rid, (req, stream) in list(self._streams.items()):
@@ -156,11 +185,12 @@ class EngineLoop:
                 stream.put(Failed(error))
                 del self._streams[rid]
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, block: bool) -> bool:
+        """Run the work handed in; True if there was any."""
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
-            return
+            return False
         while item is not None:
             fn, fut = item
             if fut.set_running_or_notify_cancel():
@@ -171,18 +201,24 @@ class EngineLoop:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return True
+        return True
 
     def _publish(self, error: Exception | None) -> None:
+        now = time.perf_counter()
         for rid, (req, stream) in list(self._streams.items()):
-            if req.finish_reason == "error":
-                stream.put(Failed(error or RuntimeError("request failed")))
+            if req.finish_reason == "error":   # its own error (a poisoned request), else the batch's
+                failure = getattr(req, "error", None) or error or RuntimeError("request failed")
+                stream.put(Failed(failure))
                 del self._streams[rid]
                 continue
             delta: StreamDelta | None = req.stream_delta()
             if delta is not None:
-                if stream.first_token_at is None and delta.token_ids:
-                    stream.first_token_at = time.perf_counter()
+                if delta.token_ids:
+                    if self.on_tokens is not None:
+                        self.on_tokens(stream, now)
+                    elif stream.first_token_at is None:
+                        stream.first_token_at = now
                 stream.put(delta)
             if req.finished:
                 stream.put(Finished(req.to_output()))

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from eaglekv.config import MAX_TOP_LOGPROBS, SamplingParams
 
 
 MAX_N = 128   # choices of one request: each is a request of its own in the engine
+SEED_RANGE = (-2**63, 2**64 - 1)   # what torch.Generator.manual_seed takes
 
 
 class RequestRefused(ValueError):
@@ -27,9 +28,24 @@ class RequestRefused(ValueError):
         self.param = param
 
 
+def check_text(value, param: str) -> None:
+    """Strings must be encodable as UTF-8: JSON allows a lone surrogate ("\\ud800"), which no
+    tokenizer can take."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestRefused(f"{param} holds a lone surrogate at character {e.start} "
+                                 f"({value[e.start]!r}): not valid Unicode text", param) from None
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            check_text(v, param)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM: usage so far in every chunk
 
 
 class _Sampling(BaseModel):
@@ -43,7 +59,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[StrictInt] = Field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
     presence_penalty: float = 0.0
@@ -60,6 +76,15 @@ class _Sampling(BaseModel):
                                      f"(only {default!r})", name)
         if not 1 <= self.n <= MAX_N:
             raise RequestRefused(f"n={self.n} must be in [1, {MAX_N}]", "n")
+        if self.stream_options is not None and not self.stream:
+            raise RequestRefused("stream_options is only allowed with stream=true",
+                                 "stream_options")
+        if self.seed is not None:
+            lo, hi = SEED_RANGE[0], SEED_RANGE[1] - (self.n - 1)   # choice j is seeded seed + j
+            if not lo <= self.seed <= hi:
+                raise RequestRefused(f"seed={self.seed} must be in [{lo}, {hi}] (choice j of n="
+                                     f"{self.n} uses seed + j, and seeds are 64-bit)", "seed")
+        check_text(self.stop, "stop")
 
     def sampling_params(self, default_max_tokens: int, index: int = 0) -> SamplingParams:
         """`index` (0..n-1) offsets the seed, so the n choices of one request differ."""
@@ -87,7 +112,7 @@ def check_top(name: str, value: int) -> None:
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -106,6 +131,7 @@ class CompletionRequest(_Sampling):
             raise RequestRefused("suffix is not supported", "suffix")
         if self.best_of not in (None, 1, self.n):
             raise RequestRefused(f"best_of={self.best_of} is not supported", "best_of")
+        check_text(self.prompt, "prompt")
 
     def prompts(self) -> list:
         """The prompts as a list: each a string or a list of token ids."""
@@ -117,11 +143,39 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are served."""
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    content: Union[str, list[ContentPart], None]
     name: str | None = None
+
+    def text(self, index: int) -> str:
+        """The content as one string: text parts joined by newlines (as vLLM does); None is
+        allowed for an assistant turn only (a reply that held no text)."""
+        where = f"messages.{index}.content"
+        if self.content is None:
+            if self.role != "assistant":
+                raise RequestRefused(f"{where} is null; only an assistant message may have no "
+                                     f"content", where)
+            return ""
+        if isinstance(self.content, str):
+            check_text(self.content, where)
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise RequestRefused(f"{where}.{j}: content part of type {part.type!r} is not "
+                                     f"supported (this model takes text parts only)", where)
+            check_text(part.text, where)
+            texts.append(part.text)
+        return "\n".join(texts)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -148,5 +202,40 @@ class ChatCompletionRequest(_Sampling):
             self.max_tokens = self.max_completion_tokens
 
     def conversation(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content}
-                for m in self.messages]
+        return conversation(self.messages)
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template takes them ("developer" is OpenAI's new "system")."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            for i, m in enumerate(messages)]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the template."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict]:
+        return conversation(self.messages)
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestRefused("give exactly one of prompt and messages", "prompt")
+        check_text(self.prompt, "prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[StrictInt]
+
+    def check_vocab(self, vocab_size: int) -> None:
+        bad = [t for t in self.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestRefused(f"token id {bad[0]} outside the vocabulary [0, {vocab_size})",
+                                 "tokens")

@@ -6,9 +6,10 @@ Per engine step either
   decode:  draft (S select steps) -> organize + build tree -> verify (one target extend of N
            tokens per request under the tree mask) -> accept -> commit -> draft extend over
            the accepted tokens.
-The accept lengths and tokens reach the host once per step (the step's sync); everything
-before that is tensor code. Slot ids are shared: one slot addresses the target's and the
-draft's K/V of the same token.
+The accept lengths and tokens reach the host once per step (the step's sync), with one flag
+per request saying its distributions were usable (`valid_probs` / `valid_argmax`); a request
+whose flag is off fails alone and commits nothing. Everything before the sync is tensor code.
+Slot ids are shared: one slot addresses the target's and the draft's K/V of the same token.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from eaglekv.core import ForwardBatch, SpecStats
 from eaglekv.engine.sampler import (apply_penalties, batch_logprobs, sample_next,
-                                     token_logprobs)
+                                     token_logprobs, valid_argmax, valid_probs)
 from eaglekv.spec.accept import greedy_accept, sample_accept
 from eaglekv.spec.draft_loop import DraftLoop, processed_probs, exponential_noise, uniform_noise
 from eaglekv.spec.slots import DraftSlots
@@ -103,7 +104,10 @@ class EagleWorker:
             tokens = sample_next(logits, params,
                                  [r.generator for r in sampled])          # the step's sync
             for r, t, lp in zip(sampled, tokens, batch_logprobs(out.logits, tokens, params)):
-                r.append_tokens([t], lp)
+                if t is None:     # not a usable distribution: it fails alone
+                    r.fail_sampling()
+                else:
+                    r.append_tokens([t], lp)
         live = [i for i, r in enumerate(reqs) if not r.finished]
         if live:
             # draft input at position p is (token p + 1, target hidden p)
@@ -166,11 +170,16 @@ class EagleWorker:
         t2 = time.perf_counter()
         # 3. accept (on the penalized logits; logprobs report the raw ones)
         pl = self._penalized(reqs, logits, tree)
+        # ok[b]: every node's argmax and distribution is usable. A bad row's walk below stays
+        # in range (NaN comparisons are False) and is dropped after the sync; rows never mix.
+        # (A non-finite draft q is harmless: u * q(x) < p(x) fails, the bonus is drawn from p.)
+        ok = valid_argmax(pl)                                                      # (B,)
         if all(r.params.greedy for r in reqs) and tree.draft_probs is None:
             res = greedy_accept(tree, pl.argmax(-1), S)
         else:
             p = processed_probs(pl.reshape(B * N, -1),
                                 [r.params for r in reqs for _ in range(N)]).view(B, N, -1)
+            ok = ok & valid_probs(p)
             gens = [r.generator for r in reqs]
             res = sample_accept(tree, p, uniform_noise(gens, N, dev),
                                 exponential_noise(gens, p.shape[-1], dev), S)
@@ -185,13 +194,18 @@ class EagleWorker:
         hid = feats.gather(1, res.path[:, :P + 1].clamp(min=0)[:, :, None].expand(
             B, P + 1, feats.shape[-1]))                                           # (B, P+1, Hf)
         window = self._extend_window(reqs, res, committed, feats, vdev, seq_lens)
-        host = torch.cat([res.accept_len[:, None], committed], 1).tolist()       # the sync
-        acc, toks = [h[0] for h in host], [h[1:] for h in host]
-        lps = self._window_logprobs(reqs, logits, res.path, acc, toks)
+        host = torch.cat([ok[:, None].long(), res.accept_len[:, None], committed],
+                         1).tolist()                                              # the sync
+        good, acc, toks = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
+        lps = self._window_logprobs(reqs, logits, res.path, acc, toks, good)
         t3 = time.perf_counter()
         # 5. books on the host: free the rejected tail, append tokens, draft extend
         live, ids, prefix, slots, hidden = [], [], [], [], []
         for b, r in enumerate(reqs):
+            if not good[b]:   # fails alone: commits nothing, its verify slots go back
+                self.slots.free_tail(vslots[b])
+                r.fail_sampling()
+                continue
             a = acc[b]
             self.slots.free_tail(vslots[b, a + 1:])
             r.kv_len, r.last_slot = r.kv_len + a + 1, int(vslots[b, a])
@@ -234,10 +248,11 @@ class EagleWorker:
                                contexts).view(B, N, -1)
 
     @staticmethod
-    def _window_logprobs(reqs, logits, path, acc, toks) -> list[list | None]:
-        """TokenLogprobs of each request's a + 1 committed tokens (None where not asked for):
-        committed token j was chosen from the target's logits at the accepted node path[j]."""
-        want = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
+    def _window_logprobs(reqs, logits, path, acc, toks, good) -> list[list | None]:
+        """TokenLogprobs of each request's a + 1 committed tokens (None where not asked for,
+        or where `good[b]` is off: it failed): committed token j was chosen from the target's
+        logits at the accepted node path[j]."""
+        want = [b for b, r in enumerate(reqs) if r.params.logprobs is not None and good[b]]
         out: list[list | None] = [None] * len(reqs)
         if not want:
             return out
