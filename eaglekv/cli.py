@@ -30,9 +30,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-total-tokens", type=int, default=CLI_MAX_TOTAL_TOKENS,
                    help=f"KV pool slots (default {CLI_MAX_TOTAL_TOKENS} for the CLI; serve "
                    "with a memory fraction: sized from it)")
-    p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+    p.add_argument("--chunked-prefill-size", type=int, default=None,
                    help="prefill tokens a step; a longer prompt is prefilled over several "
-                   "steps while the others keep decoding (0: a prompt at once)")
+                   "steps while the others keep decoding (default: 512 on CPU, 2048 on CUDA; "
+                   "0: a prompt at once)")
     # No defaults here: spec_config fills them from SpecConfig, and `serve` can tell a flag given.
     # The second names are SGLang's.
     p.add_argument("--spec", "--speculative-algorithm", type=str.lower, choices=SPEC_ALGORITHMS,
@@ -47,6 +48,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", "--speculative-num-draft-tokens", type=int,
                    help="tokens verified a step, the root included (default: num_steps + 1 "
                    "for a chain)")
+
+
+def chunk_arg(value: int | None) -> int | str | None:
+    """--chunked-prefill-size: not given -> "auto" (the device's default), 0 -> None (off)."""
+    return "auto" if value is None else (value or None)
 
 
 def spec_config(options: dict) -> SpecConfig:
@@ -148,7 +154,7 @@ def cmd_generate(args) -> None:
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                  page_size=args.page_size, max_total_tokens=args.max_total_tokens,
-                                 chunked_prefill_size=args.chunked_prefill_size or None,
+                                 chunked_prefill_size=chunk_arg(args.chunked_prefill_size),
                                  max_running_requests=1, speculative=spec_from_args(args)))
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -243,7 +249,7 @@ def serve_configs(args, environ=os.environ) -> tuple[EngineConfig, "ServerConfig
               "page_size": args.page_size, "max_context_len": args.max_context_len,
               "max_total_tokens": pool,
               "mem_fraction": mem, "seed": args.seed,
-              "chunked_prefill_size": args.chunked_prefill_size or None,
+              "chunked_prefill_size": chunk_arg(args.chunked_prefill_size),
               "max_running_requests": args.max_running_requests,
               "speculative": _serve_spec(args)}
     # None: the field's default (max_context_len, max_total_tokens and chunked_prefill_size

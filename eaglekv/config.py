@@ -12,6 +12,12 @@ from eaglekv.errors import ConfigError
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
+# A step's prefill tokens bound how long every running stream waits for its next token, and
+# how long a short prompt waits beside a long one (two steps at most, engine/fairness.py). On
+# the 2-core CPU a 2048-token step takes ~10 s and a 512-token one ~1.4 s, at nearly the same
+# prefill throughput (bench/serve_fairness.py); on a GPU 2048 tokens take milliseconds.
+CHUNKED_PREFILL_AUTO = {"cpu": 512, "cuda": 2048}
+
 MAX_TOP_LOGPROBS = 20   # alternatives per token, as the OpenAI API allows
 
 # Sampling bounds: every value inside them stays finite through the fp32 sampler.
@@ -162,7 +168,8 @@ class EngineConfig:
     max_total_tokens: int | None = None  # KV pool slots; default: from mem_fraction
     mem_fraction: float = 0.2            # of free memory for the KV pool when not given
     seed: int = 0                        # seeds requests that give no seed of their own
-    chunked_prefill_size: int | None = 2048  # prefill tokens a step (None: a prompt at once)
+    # prefill tokens a step (None: a prompt at once); "auto": CHUNKED_PREFILL_AUTO of the device
+    chunked_prefill_size: int | None | str = "auto"
     speculative: SpecConfig = SpecConfig()
 
     def __post_init__(self):
@@ -185,6 +192,9 @@ class EngineConfig:
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ConfigError(f"max_total_tokens={self.max_total_tokens} must be >= "
                               f"page_size={self.page_size}")
+        if self.chunked_prefill_size == "auto":
+            object.__setattr__(self, "chunked_prefill_size",
+                               CHUNKED_PREFILL_AUTO.get(dev.type, CHUNKED_PREFILL_AUTO["cuda"]))
         if self.chunked_prefill_size is not None and (
                 not isinstance(self.chunked_prefill_size, int) or self.chunked_prefill_size < 1):
             raise ConfigError(f"chunked_prefill_size={self.chunked_prefill_size!r} must be an "

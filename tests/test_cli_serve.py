@@ -258,3 +258,13 @@ def test_bad_flag_value_exits_2(capsys):
         main(["serve", "--max-model-len", "lots"])
     assert e.value.code == 2 and "--max-context-len/--max-model-len/--context-length" in \
         capsys.readouterr().err
+
+
+def test_speculative_config_accepts_vllm_draft_tp_1():
+    e, _ = configs("--speculative-config", '{"method": "eagle", "model": "random", '
+                   '"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}')
+    assert e.speculative == SpecConfig(algorithm="eagle", draft_model="random", num_steps=2,
+                                       num_draft_tokens=3)
+    with pytest.raises(ConfigError, match="draft_tensor_parallel_size=2"):
+        configs("--speculative-config", '{"method": "eagle", "model": "random", '
+                '"draft_tensor_parallel_size": 2}')

@@ -364,6 +364,18 @@ def test_speculative_server_is_lossless(server):
                                                 temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in stream) == ref_c.text
         assert spec.metric("eaglekv_spec_verify_steps_total") >= st["verify_steps"]
+        # vLLM's names: drafts = verify steps; per position, the drafts accepted that deep
+        # (position i counts a step that accepted more than i tokens), so they sum to accepted
+        spec.wait_idle()
+        drafts = spec.metric("eaglekv:spec_decode_num_drafts_total")
+        accepted = spec.metric("eaglekv:spec_decode_num_accepted_tokens_total")
+        per_pos = [spec.metric(f'eaglekv:spec_decode_num_accepted_tokens_per_pos_total'
+                               f'{{model_name="{MODEL}",position="{i}"}}') for i in range(3)]
+        totals = spec.on_engine(lambda e: e.spec_stats())
+        assert drafts == totals.verify_steps and accepted == totals.accepted_tokens
+        assert spec.metric("eaglekv:spec_decode_num_draft_tokens_total") == totals.draft_tokens
+        assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+        assert per_pos[0] > 0
         # logprobs come from the verify forward: the plain engine's figures
         ref_lp = engine_logprobs(server, CHAT, 24, 2)
         r = spec.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0,

@@ -21,6 +21,7 @@ KEYS = {"method": "algorithm",                       # JSON key -> SpecConfig fi
         "topk": "topk",                              # eaglekv / SGLang extras: a tree
         "num_draft_tokens": "num_draft_tokens"}
 INT_KEYS = ("num_speculative_tokens", "topk", "num_draft_tokens")
+NO_OP = {"draft_tensor_parallel_size": 1}            # vLLM's own EAGLE example sends it; one device
 
 
 def parse_speculative_config(text: str) -> dict:
@@ -32,6 +33,12 @@ def parse_speculative_config(text: str) -> dict:
                           f"'{EXAMPLE}'") from None
     if not isinstance(options, dict):
         raise ConfigError(f"--speculative-config {text!r} must be a JSON object, e.g. '{EXAMPLE}'")
+    for key, only in NO_OP.items():
+        if key in options:
+            if options[key] != only:
+                raise ConfigError(f"--speculative-config {key}={options[key]!r}: eaglekv runs "
+                                  f"on one device, so only {only} is accepted")
+            options = {k: v for k, v in options.items() if k != key}
     unknown = sorted(set(options) - set(KEYS))
     if unknown:
         raise ConfigError(f"--speculative-config: unknown keys {unknown}; known: {sorted(KEYS)}")
