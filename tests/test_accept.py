@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from eaglekv.core import VerifyResult
-from eaglekv.spec.accept import greedy_accept, sample_accept
-from eaglekv.spec.tree import build_tree, chain_tree, organize
+from eaglekv.speculative.accept import greedy_accept, sample_accept
+from eaglekv.speculative.tree import build_tree, chain_tree, organize
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

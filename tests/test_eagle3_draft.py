@@ -19,9 +19,9 @@ from eaglekv.errors import ModelLoadError
 from eaglekv.memory import KVPool, ReqToTokenPool, SlotAllocator
 from eaglekv.model.llama import LlamaForCausalLM
 from eaglekv.model.loader import load_hf_dir
-from eaglekv.spec.draft_loader import load_eagle_draft, random_eagle_draft, save_eagle_draft
-from eaglekv.spec.eagle3_draft import Eagle3DraftModel
-from eaglekv.spec.eagle3_loader import (Eagle3DraftConfig, load_eagle3_draft, random_eagle3_draft,
+from eaglekv.model.draft_checkpoint import load_eagle_draft, random_eagle_draft, save_eagle_draft
+from eaglekv.model.eagle3 import Eagle3DraftModel
+from eaglekv.model.eagle3_checkpoint import (Eagle3DraftConfig, load_eagle3_draft, random_eagle3_draft,
                                         save_eagle3_draft)
 
 VD = 40  # draft vocabulary of the tiny heads (target vocabulary 256)

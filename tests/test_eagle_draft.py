@@ -19,9 +19,9 @@ from eaglekv.errors import ModelLoadError
 from eaglekv.memory import KVPool, ReqToTokenPool, SlotAllocator
 from eaglekv.model.llama import LlamaForCausalLM
 from eaglekv.model.loader import load_hf_dir
-from eaglekv.spec.draft_loader import (EagleDraftConfig, load_eagle_draft, random_eagle_draft,
+from eaglekv.model.draft_checkpoint import (EagleDraftConfig, load_eagle_draft, random_eagle_draft,
                                        save_eagle_draft)
-from eaglekv.spec.eagle_draft import EagleDraftModel
+from eaglekv.model.eagle import EagleDraftModel
 
 TARGETS = {
     "untied": {},

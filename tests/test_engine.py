@@ -72,7 +72,7 @@ CHI2_999 = {9: 27.88, 19: 43.82, 29: 58.30}
                                                      (1.5, 30, 0.95)])
 def test_sampling_distribution_matches_target(tiny_dir, tiny_hf, temperature, top_k, top_p):
     """4000 first tokens follow softmax(logits / T) restricted to top-k / top-p (chi-square)."""
-    from eaglekv.engine.sampler import target_probs
+    from eaglekv.sampling import target_probs
     prompt = PROMPTS[2]
     sp = SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
     with torch.inference_mode():

@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_engine
 from eaglekv import SamplingParams
 from eaglekv.errors import ConfigError
-from eaglekv.spec.drafter import ScriptedDrafter
+from eaglekv.speculative.drafter import ScriptedDrafter
 from test_spec_engine import PROMPTS, oracle
 from test_spec_families import deep_dir, spec  # noqa: F401  (deep_dir is a fixture)
 

@@ -18,8 +18,8 @@ from eaglekv.errors import ModelLoadError
 from eaglekv.memory import KVPool, ReqToTokenPool, SlotAllocator
 from eaglekv.model.llama import LlamaForCausalLM
 from eaglekv.model.loader import load_hf_dir
-from eaglekv.spec.draft_loader import random_eagle_draft, save_eagle_draft
-from eaglekv.spec.multi_layer_draft import (MultiLayerDraftConfig, MultiLayerDraftModel,
+from eaglekv.model.draft_checkpoint import random_eagle_draft, save_eagle_draft
+from eaglekv.model.multi_layer_eagle import (MultiLayerDraftConfig, MultiLayerDraftModel,
                                             load_multi_layer_draft, random_multi_layer_draft,
                                             save_multi_layer_draft)
 

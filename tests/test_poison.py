@@ -18,7 +18,7 @@ import torch
 from conftest import tiny_engine
 from eaglekv import SamplingParams
 from eaglekv.config import FP32_TINY
-from eaglekv.engine.sampler import apply_penalties, sample_next, target_probs, valid_probs
+from eaglekv.sampling import apply_penalties, sample_next, target_probs, valid_probs
 from eaglekv.errors import ConfigError, RequestFailed
 
 EXTREMES = [1e-40, 1e-300, 1e300, math.inf, -math.inf, math.nan, -0.0, 5e-324]

@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_engine
 from eaglekv import SamplingParams
 from eaglekv.core import ForwardBatch
-from eaglekv.spec.drafter import ScriptedDrafter
+from eaglekv.speculative.drafter import ScriptedDrafter
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 47)), [100, 3, 100, 3]]
 
@@ -212,7 +212,7 @@ def test_int32_budget_checked_at_startup(tiny_dir):
 def test_draft_must_match_target(tiny_dir, tmp_path):
     from conftest import make_tiny
     from eaglekv.errors import ModelLoadError
-    from eaglekv.spec.draft_loader import random_eagle_draft, save_eagle_draft
+    from eaglekv.model.draft_checkpoint import random_eagle_draft, save_eagle_draft
     other = tmp_path / "wide"
     make_tiny(other, hidden_size=96)
     eng = tiny_engine(other)

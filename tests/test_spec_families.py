@@ -12,7 +12,7 @@ from conftest import make_tiny, tiny_engine
 from eaglekv import SamplingParams
 from eaglekv.core import ForwardBatch
 from eaglekv.errors import ConfigError
-from eaglekv.spec.drafter import ScriptedDrafter
+from eaglekv.speculative.drafter import ScriptedDrafter
 from test_spec_engine import PROMPTS, expected_accepts, fresh_kv, oracle
 
 import test_spec_sampling as sampling
@@ -136,8 +136,8 @@ class _Spec:  # a config SpecConfig itself would refuse, to reach the workers' o
 
 @pytest.mark.parametrize("S,K,N", [(3, 1, 5), (3, 1, 3), (2, 2, 3)])
 def test_guard3_at_construction_before_buffers(deep_dir, monkeypatch, S, K, N):
-    import eaglekv.spec.eagle_worker as ew
-    import eaglekv.spec.multi_layer_eagle_worker as mw
+    import eaglekv.speculative.eagle_worker as ew
+    import eaglekv.speculative.multi_layer_eagle_worker as mw
     eng = tiny_engine(deep_dir, max_running_requests=1, speculative=spec("multi_layer_eagle", 3))
     made = []
     monkeypatch.setattr(mw, "KVPool", lambda *a, **k: made.append("pool"))
@@ -157,7 +157,7 @@ def test_guard3_at_construction_before_buffers(deep_dir, monkeypatch, S, K, N):
 
 def exact_second_token(model, params) -> torch.Tensor:
     """(V,) the exact law of output token 1: sum over o0 of p(o0) p(o1 | o0)."""
-    from eaglekv.engine.sampler import target_probs
+    from eaglekv.sampling import target_probs
     p0 = target_probs(sampling.last_logits(model, [sampling.PROMPT]), params)[0]   # (V,)
     ctx = [sampling.PROMPT + [t] for t in range(p0.shape[0])]
     p1 = target_probs(sampling.last_logits(model, ctx), params)                    # (V, V)
@@ -197,9 +197,9 @@ def test_checkpoint_of_another_family_is_refused_at_engine_start(deep_dir, tmp_p
     """An EAGLE-3 head configured as 'eagle' (SGLang would run it at accept length 1.0), an
     EAGLE-1 head as 'eagle3' or 'multi_layer_eagle': each refused, saying what it is."""
     from eaglekv.errors import ModelLoadError
-    from eaglekv.spec.draft_loader import random_eagle_draft, save_eagle_draft
-    from eaglekv.spec.eagle3_loader import random_eagle3_draft, save_eagle3_draft
-    from eaglekv.spec.multi_layer_draft import random_multi_layer_draft, save_multi_layer_draft
+    from eaglekv.model.draft_checkpoint import random_eagle_draft, save_eagle_draft
+    from eaglekv.model.eagle3_checkpoint import random_eagle3_draft, save_eagle3_draft
+    from eaglekv.model.multi_layer_eagle import random_multi_layer_draft, save_multi_layer_draft
     mc = tiny_engine(deep_dir).model_config
     save_eagle_draft(tmp_path / "e1", *random_eagle_draft(mc))
     save_eagle3_draft(tmp_path / "e3", *random_eagle3_draft(mc, draft_vocab_size=64),

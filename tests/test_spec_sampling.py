@@ -14,9 +14,9 @@ from conftest import tiny_engine
 from eaglekv import SamplingParams
 from eaglekv.attention import TorchAttentionBackend
 from eaglekv.core import ForwardBatch
-from eaglekv.engine.sampler import target_probs
+from eaglekv.sampling import target_probs
 from eaglekv.memory import KVPool, ReqToTokenPool
-from eaglekv.spec.drafter import Drafter, DraftOut
+from eaglekv.speculative.drafter import Drafter, DraftOut
 
 PROMPT = [5, 17, 42, 9]
 PARAMS = SamplingParams(max_new_tokens=3, temperature=1.3, top_k=3, ignore_eos=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from eaglekv.errors import ConfigError, KVIndexError
-from eaglekv.spec.spec_utils import (
+from eaglekv.kernels.draft_kv_indices import (
     assign_draft_cache_locs, check_draft_kv_indices_fit, draft_kv_indices_buffer_width,
     draft_kv_indices_used_len, draft_region_extra, draft_token_positions,
     generate_draft_decode_kv_indices)

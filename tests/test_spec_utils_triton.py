@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 
 from eaglekv.errors import KVIndexError  # noqa: E402
 from eaglekv.kernels.guard import kv_guard  # noqa: E402
-from eaglekv.spec.spec_utils import (  # noqa: E402
+from eaglekv.kernels.draft_kv_indices import (  # noqa: E402
     assign_draft_cache_locs, assign_draft_cache_locs_torch, draft_kv_indices_used_len,
     draft_region_extra, draft_token_positions, draft_token_positions_torch,
     generate_draft_decode_kv_indices, generate_draft_decode_kv_indices_torch)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eaglekv.errors import ConfigError
-from eaglekv.spec.tree import TreeError, build_tree, chain_tree, check_tree, organize
+from eaglekv.speculative.tree import TreeError, build_tree, chain_tree, check_tree, organize
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 V = 40

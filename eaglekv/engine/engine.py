@@ -20,15 +20,15 @@ from eaglekv.core import ForwardBatch, Output, SpecStats, StreamDelta
 from eaglekv.engine.fairness import next_to_admit, prefill_shares
 from eaglekv.engine.memory_plan import plan_kv_size
 from eaglekv.engine.request import Req
-from eaglekv.engine.sampler import apply_penalties, batch_logprobs, sample_next
+from eaglekv.sampling import apply_penalties, batch_logprobs, sample_next
 from eaglekv.kernels.guard import kv_guard
 from eaglekv.errors import ConfigError, KVIndexError, OutOfKVMemoryError, RequestError
 from eaglekv.memory import KVPool, ReqToTokenPool, SlotAllocator
 from eaglekv.model import LlamaForCausalLM
 from eaglekv.model.llama import cpu_blas_threads
 from eaglekv.model.loader import load_checkpoint
-from eaglekv.spec.slots import kv_indices_width
-from eaglekv.spec.factory import build_worker, draft_bytes_per_slot, extra_columns, load_draft
+from eaglekv.speculative.slots import kv_indices_width
+from eaglekv.speculative.factory import build_worker, draft_bytes_per_slot, extra_columns, load_draft
 
 Prompt = str | Sequence[int]
 

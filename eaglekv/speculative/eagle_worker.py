@@ -19,12 +19,12 @@ import time
 import torch
 
 from eaglekv.core import ForwardBatch, SpecStats
-from eaglekv.engine.sampler import (apply_penalties, batch_logprobs, sample_next,
+from eaglekv.sampling import (apply_penalties, batch_logprobs, sample_next,
                                      token_logprobs, valid_argmax, valid_probs)
-from eaglekv.spec.accept import greedy_accept, sample_accept
-from eaglekv.spec.draft_loop import DraftLoop, processed_probs, exponential_noise, uniform_noise
-from eaglekv.spec.slots import DraftSlots
-from eaglekv.spec.tree import build_tree, organize
+from eaglekv.speculative.accept import greedy_accept, sample_accept
+from eaglekv.speculative.draft_loop import DraftLoop, processed_probs, exponential_noise, uniform_noise
+from eaglekv.speculative.slots import DraftSlots
+from eaglekv.speculative.tree import build_tree, organize
 
 
 class EagleWorker:

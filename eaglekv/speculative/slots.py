@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from eaglekv.spec.spec_utils import (assign_draft_cache_locs, draft_kv_indices_buffer_width,
+from eaglekv.kernels.draft_kv_indices import (assign_draft_cache_locs, draft_kv_indices_buffer_width,
                                      generate_draft_decode_kv_indices)
 
 

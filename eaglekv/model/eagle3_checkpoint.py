@@ -34,7 +34,7 @@ import torch
 
 from eaglekv.errors import ModelLoadError
 from eaglekv.model.config import ModelConfig
-from eaglekv.spec.draft_loader import (IGNORED_SUFFIXES, check_against_target, read_draft_dir,
+from eaglekv.model.draft_checkpoint import (IGNORED_SUFFIXES, check_against_target, read_draft_dir,
                                        save_eagle_draft)
 
 MID = "midlayer."

@@ -22,8 +22,8 @@ from eaglekv.attention import TorchAttentionBackend
 from eaglekv.core import ForwardBatch
 from eaglekv.errors import ConfigError
 from eaglekv.memory import KVPool
-from eaglekv.spec.drafter import Drafter, DraftOut
-from eaglekv.spec.eagle_worker import EagleWorker
+from eaglekv.speculative.drafter import Drafter, DraftOut
+from eaglekv.speculative.eagle_worker import EagleWorker
 
 
 def check_chain_config(spec, who: str) -> None:

@@ -44,11 +44,11 @@ import torch
 from eaglekv.errors import ModelLoadError
 from eaglekv.model.config import ModelConfig
 from eaglekv.model.llama import LlamaForCausalLM, ModelOutput
-from eaglekv.spec.draft_loader import (IGNORED_SUFFIXES, LAYER, EagleDraftConfig,
+from eaglekv.model.draft_checkpoint import (IGNORED_SUFFIXES, LAYER, EagleDraftConfig,
                                        check_against_target, eagle3_refusal,
                                        random_eagle_draft, read_draft_dir, save_eagle_draft)
-from eaglekv.spec.draft_loader import expected_tensors as eagle_expected_tensors
-from eaglekv.spec.eagle_draft import EagleDraftModel
+from eaglekv.model.draft_checkpoint import expected_tensors as eagle_expected_tensors
+from eaglekv.model.eagle import EagleDraftModel
 
 ARCHITECTURE = "EagleKVMultiLayerDraft"
 MTP_PARTS = ("eh_proj", "enorm", "hnorm", "shared_head")   # DeepSeek MTP module names

@@ -3,7 +3,7 @@
 Step 0 takes the K best tokens of the draft's distribution at the root; step i >= 1 runs the
 draft on the K current branches, scores their K*K children by cumulative log-probability
 (parent score + child log-prob) and keeps the K best as the next branches. Every candidate
-goes into the pool the tree is organised from (layout in `eaglekv.spec.tree`).
+goes into the pool the tree is organised from (layout in `eaglekv.speculative.tree`).
 
 With topk == 1 and temperature > 0 the single branch *samples* its token from the draft's
 processed distribution q (recorded, so acceptance can use min(1, p/q)); otherwise the
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglekv.engine.sampler import target_probs
+from eaglekv.sampling import target_probs
 
 
 @dataclass

@@ -128,7 +128,7 @@ def draft_token_positions(seq_lens: torch.Tensor, topk: int, num_steps: int,
     ps == 1 or K == 1: `L_b + t*S + s`; ps > 1 and K > 1: `floor(L_b/ps)*ps + t*npp*ps + last
     + s` with `last = L_b % ps`, `npp = ceil((last + S)/ps)`."""
     if use_triton(seq_lens):
-        from eaglekv.spec.spec_utils_triton import draft_token_positions_triton
+        from eaglekv.kernels.draft_kv_indices_triton import draft_token_positions_triton
         _check_geometry(topk, num_steps, page_size)
         return draft_token_positions_triton(seq_lens, topk, num_steps, page_size)
     return draft_token_positions_torch(seq_lens, topk, num_steps, page_size)
@@ -202,7 +202,7 @@ def assign_draft_cache_locs(req_to_token: torch.Tensor, req_pool_indices: torch.
         return assign_draft_cache_locs_torch(req_to_token, req_pool_indices, seq_lens,
                                              out_cache_loc, topk, num_steps, page_size,
                                              prefix_copy_locs)
-    from eaglekv.spec.spec_utils_triton import assign_draft_cache_locs_triton
+    from eaglekv.kernels.draft_kv_indices_triton import assign_draft_cache_locs_triton
     _check_assign(req_to_token, req_pool_indices, seq_lens, out_cache_loc, topk, num_steps,
                   page_size, prefix_copy_locs)
     assign_draft_cache_locs_triton(req_to_token, req_pool_indices, seq_lens, out_cache_loc,
@@ -313,7 +313,7 @@ def generate_draft_decode_kv_indices(req_to_token: torch.Tensor, req_pool_indice
         return generate_draft_decode_kv_indices_torch(
             req_to_token, req_pool_indices, seq_lens, topk, num_steps, page_size, kv_indices,
             kv_indptr, size_limit, seq_lens_sum=seq_lens_sum)
-    from eaglekv.spec.spec_utils_triton import generate_draft_decode_kv_indices_triton
+    from eaglekv.kernels.draft_kv_indices_triton import generate_draft_decode_kv_indices_triton
     _check_decode(req_to_token, req_pool_indices, seq_lens, topk, num_steps, page_size,
                   kv_indices, kv_indptr, size_limit)
     _check_fit(seq_lens, topk, num_steps, kv_indices, seq_lens_sum)

@@ -30,8 +30,8 @@ from eaglekv.errors import ModelLoadError
 from eaglekv.model.config import ModelConfig
 from eaglekv.model.llama import DecoderLayer, LlamaForCausalLM, ModelOutput, linear, rms_norm, t
 from eaglekv.model.rope import RotaryEmbedding
-from eaglekv.spec.draft_loader import check_against_target
-from eaglekv.spec.eagle3_loader import MID, Eagle3DraftConfig, check_eagle3_state_dict
+from eaglekv.model.draft_checkpoint import check_against_target
+from eaglekv.model.eagle3_checkpoint import MID, Eagle3DraftConfig, check_eagle3_state_dict
 
 
 class Eagle3DraftModel:

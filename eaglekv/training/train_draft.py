@@ -1,8 +1,8 @@
 """Train an EAGLE-1/2 draft head for a target model by self-distillation (EAGLE-1 recipe).
 
 1. Prompts from templates (tasks x topics, chat-templated, plus some raw-text continuations),
-   tokenised on the CPU: `python -m eaglekv.spec.train_draft prompts --out prompts.json`.
-2. `python -m eaglekv.spec.train_draft train --prompts prompts.json --out DIR ...` (on a GPU):
+   tokenised on the CPU: `python -m eaglekv.training.train_draft prompts --out prompts.json`.
+2. `python -m eaglekv.training.train_draft train --prompts prompts.json --out DIR ...` (on a GPU):
    the target (Hugging Face transformers, built from eaglekv's loader so the weights are the
    ones the engine serves) writes the responses (`generate`, batched, left padding, sampled at
    temperature 0.7 / top-p 0.95 and some greedy), then one forward per batch gives the feature
@@ -422,7 +422,7 @@ class EagleHead(nn.Module):
 
 def head_for_target(cfg, **kw) -> tuple[EagleHead, dict]:
     """A fresh head shaped like the target's layers, and its config.json (published layout)."""
-    from eaglekv.spec.draft_loader import random_eagle_draft
+    from eaglekv.model.draft_checkpoint import random_eagle_draft
     cfg_dict, _ = random_eagle_draft(cfg, with_embed=False, fc_bias=True)
     cfg_dict["torch_dtype"] = "bfloat16"
     head = EagleHead(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -638,9 +638,9 @@ def cmd_prompts(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from eaglekv.spec.draft_loader import save_eagle_draft
+    from eaglekv.model.draft_checkpoint import save_eagle_draft
     T0 = time.time()
-    log = {"command": "python -m eaglekv.spec.train_draft " + " ".join(sys.argv[1:]),
+    log = {"command": "python -m eaglekv.training.train_draft " + " ".join(sys.argv[1:]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
     def out(msg):
@@ -733,7 +733,7 @@ def cmd_train(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eaglekv.spec.train_draft",
+    p = argparse.ArgumentParser(prog="python -m eaglekv.training.train_draft",
                                 description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("prompts", help="build and tokenise the prompts (CPU)")

@@ -34,7 +34,7 @@ DEFAULT_DRAFTS = {"eagle": Path(__file__).resolve().parent.parent / "drafts"
 
 def draft_path(spec: SpecConfig) -> str:
     """`draft_model="default"`: the head shipped for the default model (SmolLM2-135M-Instruct,
-    trained here by self-distillation, see eaglekv/spec/train_draft.py)."""
+    trained here by self-distillation, see eaglekv/training/train_draft.py)."""
     if spec.draft_model != "default":
         return spec.draft_model
     if spec.algorithm not in DEFAULT_DRAFTS:
@@ -48,20 +48,20 @@ def load_draft(spec: SpecConfig, target: ModelConfig, seed: int) -> DraftCheckpo
     the algorithm: a checkpoint of another draft family is refused with what it is)."""
     random = spec.draft_model == "random"
     if spec.algorithm == "eagle":
-        from eaglekv.spec.draft_loader import EagleDraftConfig, load_eagle_draft, random_eagle_draft
+        from eaglekv.model.draft_checkpoint import EagleDraftConfig, load_eagle_draft, random_eagle_draft
         if random:
             d, sd = random_eagle_draft(target, seed=seed)
             return DraftCheckpoint("eagle", EagleDraftConfig.from_dict(d, sd), sd)
         return DraftCheckpoint("eagle", *load_eagle_draft(draft_path(spec), target))
     if spec.algorithm == "eagle3":
-        from eaglekv.spec.eagle3_loader import (Eagle3DraftConfig, load_eagle3_draft,
+        from eaglekv.model.eagle3_checkpoint import (Eagle3DraftConfig, load_eagle3_draft,
                                                 random_eagle3_draft)
         if random:
             d, sd = random_eagle3_draft(target, draft_vocab_size=max(2, target.vocab_size // 2),
                                         seed=seed)
             return DraftCheckpoint("eagle3", Eagle3DraftConfig.from_dict(d, sd), sd)
         return DraftCheckpoint("eagle3", *load_eagle3_draft(spec.draft_model, target))
-    from eaglekv.spec.multi_layer_draft import (MultiLayerDraftConfig, load_multi_layer_draft,
+    from eaglekv.model.multi_layer_eagle import (MultiLayerDraftConfig, load_multi_layer_draft,
                                                 random_multi_layer_draft)
     if random:
         d, sd = random_multi_layer_draft(target, num_layers=spec.num_steps, seed=seed)
@@ -79,14 +79,14 @@ def draft_bytes_per_slot(ckpt: DraftCheckpoint | None, dtype: torch.dtype) -> in
 
 def extra_columns(spec: SpecConfig, page_size: int) -> int:
     """req_to_token columns past max_context_len for the draft regions and the verify window."""
-    from eaglekv.spec.spec_utils import draft_region_extra
+    from eaglekv.kernels.draft_kv_indices import draft_region_extra
     return max(draft_region_extra(spec.topk, spec.num_steps, page_size),
                spec.num_draft_tokens) + page_size + spec.num_steps
 
 
 def build_worker(engine, spec: SpecConfig, ckpt: DraftCheckpoint | None, drafter=None):
-    from eaglekv.spec.eagle_worker import EagleWorker
-    from eaglekv.spec.multi_layer_eagle_worker import MultiLayerEagleWorker
+    from eaglekv.speculative.eagle_worker import EagleWorker
+    from eaglekv.speculative.multi_layer_eagle_worker import MultiLayerEagleWorker
     worker_cls = MultiLayerEagleWorker if spec.algorithm == "multi_layer_eagle" else EagleWorker
     if drafter is None:
         drafter = _build_drafter(engine, spec, ckpt)
@@ -94,22 +94,22 @@ def build_worker(engine, spec: SpecConfig, ckpt: DraftCheckpoint | None, drafter
 
 
 def _build_drafter(engine, spec, ckpt: DraftCheckpoint):
-    from eaglekv.spec.drafter import Eagle3Drafter, EagleDrafter
-    from eaglekv.spec.multi_layer_eagle_worker import MultiLayerEagleDraftWorker
+    from eaglekv.speculative.drafter import Eagle3Drafter, EagleDrafter
+    from eaglekv.speculative.multi_layer_eagle_worker import MultiLayerEagleDraftWorker
     cfg = engine.config
     args = (engine.allocator.size, cfg.page_size, engine.req_to_token, cfg.torch_dtype,
             engine.device)
     if ckpt.algorithm == "eagle":
-        from eaglekv.spec.eagle_draft import EagleDraftModel
+        from eaglekv.model.eagle import EagleDraftModel
         model = EagleDraftModel(ckpt.config, ckpt.state_dict, engine.model, cfg.torch_dtype,
                                 engine.device)
         return EagleDrafter(model, *args)
     if ckpt.algorithm == "eagle3":
-        from eaglekv.spec.eagle3_draft import Eagle3DraftModel
+        from eaglekv.model.eagle3 import Eagle3DraftModel
         model = Eagle3DraftModel(ckpt.config, ckpt.state_dict, engine.model, cfg.torch_dtype,
                                  engine.device)
         return Eagle3Drafter(model, *args, num_target_layers=engine.model_config.num_layers)
-    from eaglekv.spec.multi_layer_draft import MultiLayerDraftModel
+    from eaglekv.model.multi_layer_eagle import MultiLayerDraftModel
     model = MultiLayerDraftModel(ckpt.config, ckpt.state_dict, engine.model, cfg.torch_dtype,
                                  engine.device)
     return MultiLayerEagleDraftWorker(model, spec, *args)

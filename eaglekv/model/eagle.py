@@ -26,7 +26,7 @@ import torch
 from eaglekv.errors import ModelLoadError
 from eaglekv.model.llama import DecoderLayer, LlamaForCausalLM, ModelOutput, linear, t
 from eaglekv.model.rope import RotaryEmbedding
-from eaglekv.spec.draft_loader import (LAYER, EagleDraftConfig, check_against_target,
+from eaglekv.model.draft_checkpoint import (LAYER, EagleDraftConfig, check_against_target,
                                        check_eagle_state_dict)
 
 

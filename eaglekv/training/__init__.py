@@ -1,0 +1,1 @@
+"""Offline training of draft heads (not on the serving path)."""
