@@ -100,8 +100,8 @@ def main(out_dir: str = "bench/results") -> dict:
             engine.config = dataclasses.replace(engine.config, chunked_prefill_size=chunk)
             for rule in ("fair", "previous"):
                 patches = ([] if rule == "fair" else
-                           [mock.patch("eaglekv.engine.engine.prefill_shares", fifo_shares),
-                            mock.patch("eaglekv.engine.engine.next_to_admit", fifo_next)])
+                           [mock.patch("eaglekv.engine.scheduler.prefill_shares", fifo_shares),
+                            mock.patch("eaglekv.engine.scheduler.next_to_admit", fifo_next)])
                 for p in patches:
                     p.start()
                 try:

@@ -1,5 +1,5 @@
-"""The `eaglekv` command: `generate` a completion, `serve` the OpenAI API, or `bench` against
-HF transformers."""
+"""The `eaglekv` command: `generate` a completion, `serve` the OpenAI API, `bench` against
+HF transformers, or `train-draft` an EAGLE draft head."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import time
 
 from eaglekv.config import SPEC_ALGORITHMS, EngineConfig, SamplingParams, SpecConfig
 from eaglekv.errors import ConfigError, EaglekvError
+from eaglekv.training.cli import DESCRIPTION as TRAIN_DRAFT_DESCRIPTION
+from eaglekv.training.cli import add_arguments as train_draft_args
 
 CLI_MAX_TOTAL_TOKENS = 4096     # KV pool slots when neither a size nor a memory fraction is given
 SPEC_FLAGS = {"spec": "--spec/--speculative-algorithm",       # dest -> its flags (eaglekv/SGLang)
@@ -146,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
     b.add_argument("--out", default=None, help="also write the JSON here")
+    t = sub.add_parser("train-draft", help="train an EAGLE-1/2 draft head by self-distillation "
+                       "(`prompts` on the CPU, then `train`)", description=TRAIN_DRAFT_DESCRIPTION)
+    train_draft_args(t)
     return parser
 
 
@@ -297,14 +302,19 @@ def cmd_bench_serve(args) -> None:
 def cmd_bench(args) -> None:
     from eaglekv.bench.e2e import main as bench_main
     args.command_line = "eaglekv " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    bench_main(args)
+    bench_main(args, spec_from_args(args))   # the CLI resolves the flags; bench never calls back
+
+
+def cmd_train_draft(args) -> None:
+    from eaglekv.training.cli import run
+    run(args, "eaglekv " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench,
-         "bench-serve": cmd_bench_serve}[args.cmd](args)
+         "bench-serve": cmd_bench_serve, "train-draft": cmd_train_draft}[args.cmd](args)
     except EaglekvError as e:
         print(f"eaglekv: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

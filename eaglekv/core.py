@@ -146,3 +146,53 @@ class StreamDelta:
     token_ids: list[int]             # new tokens since the last delta
     finish_reason: str | None = None  # set on the last delta
     logprobs: list[TokenLogprob] | None = None   # of token_ids, when asked for
+
+
+@dataclass
+class StepPlan:
+    """One engine step as the scheduler decided it; the runner runs it, the scheduler commits.
+
+    kind "extend": every request of `reqs` extends its cached prefix by `ids[i]` (a prompt
+    chunk, or the one last sampled token), at positions `prefix_lens[i]...`, into `slots[i]`
+    (allocated and written into req_to_token already; `req.kv_len` counts them). A request
+    whose prompt is complete (`kv_len == len(all_ids)`) samples. Plain decoding is always an
+    extend; so is a speculative prefill (chunk).
+    kind "decode": a speculative step (draft, verify, accept) for each of `reqs`; the runner
+    takes its own draft and verify slots, for which the scheduler reserved room."""
+
+    kind: str
+    reqs: list
+    ids: list[list[int]] | None = None
+    prefix_lens: list[int] | None = None
+    slots: list[torch.Tensor] | None = None
+
+    @property
+    def sampling(self) -> list[int]:
+        """Indices (into reqs) of the requests that sample this step (extend)."""
+        return [i for i, r in enumerate(self.reqs) if r.kv_len == len(r.all_ids)]
+
+
+@dataclass
+class StepResult:
+    """What a runner produced for a StepPlan, index by index with `plan.reqs`; the scheduler
+    commits it (the runner itself never changes a request's books).
+
+    tokens[i]: tokens to append (None: none this step, e.g. mid-prefill); logprobs[i] their
+    TokenLogprobs when asked for; failed[i]: the request's distribution was unusable, it fails
+    alone; kv_advance[i] / last_slots[i]: tokens whose K/V the step committed past kv_len and
+    the slot of the last (speculative decode; 0 for an extend, which the plan already counted);
+    accepted[i]: draft tokens accepted (speculative decode, for the request's SpecStats) out of
+    `draft_tokens`; free_slots: slots to hand back (rejected verify tails, failed windows)."""
+
+    tokens: list[list[int] | None]
+    logprobs: list[list | None]
+    failed: list[bool]
+    kv_advance: list[int] | None = None
+    last_slots: list[int] | None = None
+    accepted: list[int | None] | None = None
+    draft_tokens: int = 0
+    free_slots: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls, n: int) -> "StepResult":
+        return cls(tokens=[None] * n, logprobs=[None] * n, failed=[False] * n)

@@ -124,3 +124,15 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
             x = x - p.frequency_penalty * count - p.presence_penalty * (count > 0)
         out[i] = x
     return out
+
+
+def sample_requests(logits: torch.Tensor, reqs: list) -> tuple[list[int | None], list]:
+    """The one penalise -> sample -> logprobs block, for both runners. (B, V) raw logits of
+    the requests' last positions -> (token or None per request, TokenLogprob lists or None):
+    penalties on each request's output and context, sampling (one host sync), logprobs of the
+    raw logits. A None token means the request's distribution was unusable: it fails alone."""
+    params = [r.params for r in reqs]
+    penalized = apply_penalties(logits, params, [r.output_ids for r in reqs],
+                                [r.all_ids for r in reqs])
+    tokens = sample_next(penalized, params, [r.generator for r in reqs])    # the step's sync
+    return tokens, batch_logprobs(logits, tokens, params)

@@ -149,8 +149,8 @@ def test_no_speculative_flags_is_plain_decoding():
 @pytest.mark.parametrize("json_text,match", [
     ('{"method": "eagle", ', r"--speculative-config '\{\"method\": \"eagle\", ' is not valid JSON"),
     ('["eagle"]', r"must be a JSON object"),
-    ('{"method": "eagle", "model": "random", "draft_tensor_parallel_size": 1}',
-     r"unknown keys \['draft_tensor_parallel_size'\]"),
+    ('{"method": "eagle", "model": "random", "draft_tensor_parallel_size": 1, "x": 2}',
+     r"unknown keys \['x'\]"),
     ('{"model": "random"}', r"method=None: eaglekv runs the methods"),
     ('{"method": "ngram", "model": "random"}', r"method='ngram': eaglekv runs the methods "
                                               r"\['eagle', 'eagle3', 'multi_layer_eagle'\]"),

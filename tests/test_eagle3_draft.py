@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_tiny
+from draft_helpers import DraftRunner, gather
 from eaglekv.attention import TorchAttentionBackend
-from eaglekv.core import ForwardBatch
 from eaglekv.errors import ModelLoadError
-from eaglekv.memory import KVPool, ReqToTokenPool, SlotAllocator
+from eaglekv.memory import KVPool
 from eaglekv.model.llama import LlamaForCausalLM
 from eaglekv.model.loader import load_hf_dir
 from eaglekv.model.draft_checkpoint import load_eagle_draft, random_eagle_draft, save_eagle_draft
@@ -92,58 +92,23 @@ def reference_forward(cfg_dict, sd, embed_w, ids, hidden):
 
 
 # ---- paged runs --------------------------------------------------------------------------------
-class DraftRunner:
-    """A draft on its own 1-layer pool, a ReqToTokenPool and an allocator, as the engine has."""
-
-    def __init__(self, draft: Eagle3DraftModel, page_size: int, size: int = 256):
-        self.draft = draft
-        self.pool = KVPool(size, page_size, *draft.kv_shape())
-        self.r2t = ReqToTokenPool(4, 128)
-        self.alloc = SlotAllocator(size, page_size)
-        self.backend = TorchAttentionBackend(self.pool, self.r2t)
-
-    def run(self, ids, aux, rounds):
-        """ids[b]: (T_b,) tokens; aux[b]: (T_b, 3H) target hiddens. rounds: ("extend", [n_b])
-        feeds the next n_b tokens with their 3H aux hiddens; ("decode", None) feeds one token
-        per request with the draft's own output g of the previous token (H wide).
-        Returns per request (logits (T_b, Vd), g (T_b, H), the hidden fed at each position)."""
-        B, H = len(ids), self.draft.cfg.hidden_size
-        rows = [self.r2t.alloc() for _ in ids]
-        pos, last = [0] * B, [-1] * B
-        outs = [([], [], []) for _ in ids]
-        for kind, ns in rounds:
-            ns = [1] * B if kind == "decode" else ns
-            slots = []
-            for b, n in enumerate(ns):
-                s = self.alloc.alloc(n, pos[b], last[b])
-                self.r2t.req_to_token[rows[b], pos[b]:pos[b] + n] = s.int()
-                slots.append(s)
-            batch = ForwardBatch.build([ids[b][pos[b]:pos[b] + n].tolist()
-                                        for b, n in enumerate(ns)], pos, rows, torch.cat(slots))
-            if kind == "extend":
-                fed = [aux[b][pos[b]:pos[b] + n] for b, n in enumerate(ns)]   # (n_b, 3H)
-            else:
-                fed = [outs[b][1][-1][-1:] for b in range(B)]                 # (1, H)
-            meta = self.backend.init_forward_metadata(batch)
-            out = self.draft.forward(batch.input_ids, batch.positions, torch.cat(fed),
-                                     self.backend, meta)
-            assert out.logits.shape == (batch.num_tokens, self.draft.cfg.draft_vocab_size)
-            assert out.hidden.shape == (batch.num_tokens, H)
-            cu = 0
-            for b, n in enumerate(ns):
-                outs[b][0].append(out.logits[cu:cu + n])
-                outs[b][1].append(out.hidden[cu:cu + n])
-                outs[b][2].extend(fed[b])
-                cu += n
-            pos = [p + n for p, n in zip(pos, ns)]
-            last = [int(s[-1]) for s in slots]
-        for b, row in enumerate(rows):
-            self.alloc.free(self.r2t.req_to_token[row, :pos[b]])
-            self.r2t.free(row)
-        self.alloc.check_integrity()
-        self.r2t.check_integrity()
-        assert self.alloc.is_full()
-        return [(torch.cat(lg), torch.cat(g), fed) for lg, g, fed in outs]
+def run_draft(runner, ids, aux, rounds):
+    """ids[b]: (T_b,) tokens; aux[b]: (T_b, 3H) target hiddens. rounds: ("extend", [n_b])
+    feeds the next n_b tokens with their 3H aux hiddens; ("decode", None) feeds one token
+    per request with the draft's own output g of the previous token (H wide).
+    Returns per request (logits (T_b, Vd), g (T_b, H), the hidden fed at each position)."""
+    B = len(ids)
+    counts = [[1] * B if kind == "decode" else ns for kind, ns in rounds]
+    per_round, fed = [], [[] for _ in ids]
+    for r, rnd in enumerate(runner.rounds(counts)):
+        if rounds[r][0] == "extend":
+            x = rnd.take(aux)                                                 # (n_b, 3H)
+        else:
+            x = [g[-1:] for _, g in per_round[-1]]                            # (1, H)
+        per_round.append(runner.forward(rnd, ids, torch.cat(x)))
+        for f, xb in zip(fed, x):
+            f.extend(xb)
+    return [(lg, g, f) for (lg, g), f in zip(gather(per_round), fed)]
 
 
 def make_seq(n, H, seed):
@@ -185,7 +150,8 @@ def test_draft_forward_matches_reference(target, variant, page_size):
     nh = cfg_dict["num_attention_heads"]
     assert draft.kv_shape() == (1, cfg_dict["num_key_value_heads"], H // nh)
     seqs = [make_seq(14, H, 1), make_seq(13, H, 2)]
-    got = DraftRunner(draft, page_size).run([s[0] for s in seqs], [s[1] for s in seqs], ROUNDS)
+    got = run_draft(DraftRunner(draft, page_size), [s[0] for s in seqs], [s[1] for s in seqs],
+                    ROUNDS)
     for (ids, _), (lg, g, fed) in zip(seqs, got):
         T = len(lg)
         assert [a.shape[-1] for a in fed].count(H) == 4          # decode steps were H wide
@@ -209,10 +175,7 @@ def test_logits_indices_own_embed_and_target_logits(target, tmp_path):
         draft = Eagle3DraftModel(cfg, sd2, model, torch.float32, use_own_embed=own)
         runner = DraftRunner(draft, 1)
         ids, aux = make_seq(6, model.cfg.hidden_size, 7)
-        row = runner.r2t.alloc()
-        slots = runner.alloc.alloc(6)
-        runner.r2t.req_to_token[row, :6] = slots.int()
-        batch = ForwardBatch.build([ids.tolist()], [0], [row], slots)
+        batch, _ = runner.prefill_batch(ids)
         full = draft.forward(batch.input_ids, batch.positions, aux, runner.backend,
                              runner.backend.init_forward_metadata(batch))
         part = draft.forward(batch.input_ids, batch.positions, aux, runner.backend,
@@ -263,10 +226,7 @@ def test_aux_layers_feed_the_draft(tmp_path):
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 6]}}, sd)
     runner = DraftRunner(draft, 1)
     ids = torch.randint(0, 256, (5,))
-    row = runner.r2t.alloc()
-    slots = runner.alloc.alloc(5)
-    runner.r2t.req_to_token[row, :5] = slots.int()
-    batch = ForwardBatch.build([ids.tolist()], [0], [row], slots)
+    batch, _ = runner.prefill_batch(ids)
     # the target on a pool of its own shape, same rows and slot ids
     tpool = KVPool(256, 1, tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim)
     out = model.forward(batch, TorchAttentionBackend(tpool, runner.r2t),

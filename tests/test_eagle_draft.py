@@ -13,10 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_tiny
-from eaglekv.attention import TorchAttentionBackend
-from eaglekv.core import ForwardBatch
+from draft_helpers import DraftRunner, gather, target_embed_head
 from eaglekv.errors import ModelLoadError
-from eaglekv.memory import KVPool, ReqToTokenPool, SlotAllocator
 from eaglekv.model.llama import LlamaForCausalLM
 from eaglekv.model.loader import load_hf_dir
 from eaglekv.model.draft_checkpoint import (EagleDraftConfig, load_eagle_draft, random_eagle_draft,
@@ -78,55 +76,13 @@ def reference_forward(cfg_dict, sd, embed_w, head_w, ids, hidden):
     return g @ head_w.T, g
 
 
-def target_embed_head(target_sd, tied):
-    emb = target_sd["model.embed_tokens.weight"]
-    return emb, emb if tied else target_sd["lm_head.weight"]
-
-
 # ---- paged runs --------------------------------------------------------------------------------
-class DraftRunner:
-    """A draft on its own 1-layer pool, a ReqToTokenPool and an allocator, as the engine has."""
-
-    def __init__(self, draft: EagleDraftModel, page_size: int, size: int = 256):
-        self.draft = draft
-        self.pool = KVPool(size, page_size, *draft.kv_shape())
-        self.r2t = ReqToTokenPool(4, 128)
-        self.alloc = SlotAllocator(size, page_size)
-        self.backend = TorchAttentionBackend(self.pool, self.r2t)
-
-    def run(self, seqs, chunks):
-        """seqs: [(ids (T_b,), hidden (T_b, H))]; chunks[r][b]: tokens request b adds in round r.
-        Returns per request (logits (T_b, V), g (T_b, H)) gathered over the rounds."""
-        rows = [self.r2t.alloc() for _ in seqs]
-        pos, last = [0] * len(seqs), [-1] * len(seqs)
-        outs = [([], []) for _ in seqs]
-        for rnd in chunks:
-            slots = []
-            for b, n in enumerate(rnd):
-                s = self.alloc.alloc(n, pos[b], last[b])
-                self.r2t.req_to_token[rows[b], pos[b]:pos[b] + n] = s.int()
-                slots.append(s)
-            batch = ForwardBatch.build([seqs[b][0][pos[b]:pos[b] + n].tolist()
-                                        for b, n in enumerate(rnd)], pos, rows, torch.cat(slots))
-            hidden = torch.cat([seqs[b][1][pos[b]:pos[b] + n] for b, n in enumerate(rnd)])
-            meta = self.backend.init_forward_metadata(batch)
-            out = self.draft.forward(batch.input_ids, batch.positions, hidden, self.backend, meta)
-            assert out.logits.shape == (batch.num_tokens, self.draft.cfg.vocab_size)
-            assert out.hidden.shape == (batch.num_tokens, self.draft.cfg.hidden_size)
-            cu = 0
-            for b, n in enumerate(rnd):
-                outs[b][0].append(out.logits[cu:cu + n])
-                outs[b][1].append(out.hidden[cu:cu + n])
-                cu += n
-            pos = [p + n for p, n in zip(pos, rnd)]
-            last = [int(s[-1]) if len(s) else l for s, l in zip(slots, last)]
-        for b, row in enumerate(rows):
-            self.alloc.free(self.r2t.req_to_token[row, :pos[b]])
-            self.r2t.free(row)
-        self.alloc.check_integrity()
-        self.r2t.check_integrity()
-        assert self.alloc.is_full()
-        return [(torch.cat(lg), torch.cat(g)) for lg, g in outs]
+def run_draft(runner, seqs, chunks):
+    """seqs: [(ids (T_b,), hidden (T_b, H))]; chunks[r][b]: tokens request b adds in round r.
+    Returns per request (logits (T_b, V), g (T_b, H)) gathered over the rounds."""
+    ids, hidden = [s[0] for s in seqs], [s[1] for s in seqs]
+    return gather([runner.forward(rnd, ids, torch.cat(rnd.take(hidden)))
+                   for rnd in runner.rounds(chunks)])
 
 
 def make_seq(n, H, seed):
@@ -155,7 +111,7 @@ def test_draft_forward_matches_reference(target, variant, page_size):
                                 cfg_dict.get("head_dim") or tcfg.hidden_size // cfg_dict[
                                     "num_attention_heads"])
     seqs = [make_seq(14, tcfg.hidden_size, 1), make_seq(9, tcfg.hidden_size, 2)]
-    got = DraftRunner(draft, page_size).run(seqs, [[8, 5], [1, 2], [3, 1], [2, 1]])
+    got = run_draft(DraftRunner(draft, page_size), seqs, [[8, 5], [1, 2], [3, 1], [2, 1]])
     emb, head = target_embed_head(tsd, tcfg.tie_word_embeddings)
     for (ids, hid), (lg, g) in zip(seqs, got):
         ref_lg, ref_g = reference_forward(cfg_dict, sd, emb, head, ids, hid)
@@ -177,10 +133,7 @@ def test_logits_indices_and_own_embed(target, tmp_path):
         draft = EagleDraftModel(cfg, sd2, model, torch.float32, use_own_embed=own)
         runner = DraftRunner(draft, 1)
         ids, hid = make_seq(6, model.cfg.hidden_size, 7)
-        row = runner.r2t.alloc()
-        slots = runner.alloc.alloc(6)
-        runner.r2t.req_to_token[row, :6] = slots.int()
-        batch = ForwardBatch.build([ids.tolist()], [0], [row], slots)
+        batch, _ = runner.prefill_batch(ids)
         meta = runner.backend.init_forward_metadata(batch)
         full = draft.forward(batch.input_ids, batch.positions, hid, runner.backend, meta)
         meta = runner.backend.init_forward_metadata(batch)

@@ -12,10 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_tiny
-from eaglekv.attention import TorchAttentionBackend
-from eaglekv.core import ForwardBatch
+from draft_helpers import DraftRunner, gather, target_embed_head
 from eaglekv.errors import ModelLoadError
-from eaglekv.memory import KVPool, ReqToTokenPool, SlotAllocator
 from eaglekv.model.llama import LlamaForCausalLM
 from eaglekv.model.loader import load_hf_dir
 from eaglekv.model.draft_checkpoint import random_eagle_draft, save_eagle_draft
@@ -38,11 +36,6 @@ def target(request, tmp_path_factory):
     make_tiny(path, **TARGETS[request.param])
     cfg, sd = load_hf_dir(path)
     return LlamaForCausalLM(cfg, sd, torch.float32), sd
-
-
-def target_embed_head(target_sd, tied):
-    emb = target_sd["model.embed_tokens.weight"]
-    return emb, emb if tied else target_sd["lm_head.weight"]
 
 
 # ---- the reference: one EAGLE-1 head in plain torch (HF rotate-half RoPE), full causal -------
@@ -79,51 +72,19 @@ def reference_head(cfg_dict, sd, k, embed_w, head_w, ids, hidden):
 
 
 # ---- paged runs: S pools, one ReqToTokenPool and one allocator ---------------------------------
-class MultiRunner:
-    def __init__(self, draft: MultiLayerDraftModel, page_size: int, size: int = 256):
-        self.draft = draft
-        self.pools = [KVPool(size, page_size, *draft.kv_shape()) for _ in range(draft.num_layers)]
-        self.r2t = ReqToTokenPool(4, 128)
-        self.alloc = SlotAllocator(size, page_size)
-        self.backends = [TorchAttentionBackend(p, self.r2t) for p in self.pools]
+def run_heads(runner, seqs, chunks):
+    """seqs[b] = (ids (S, T_b), hidden (S, T_b, H)): head k reads ids[k], hidden[k] at the
+    same positions and slots; chunks[r][b]: tokens request b adds in round r.
+    Returns out[k][b] = (logits (T_b, V), g (T_b, H)) gathered over the rounds."""
+    S = runner.draft.num_layers
+    per_round = [[runner.forward(rnd, [s[0][k] for s in seqs],
+                                 torch.cat(rnd.take([s[1][k] for s in seqs])), layer=k)
+                  for k in range(S)] for rnd in runner.rounds(chunks)]
+    return [gather([heads[k] for heads in per_round]) for k in range(S)]
 
-    def run(self, seqs, chunks):
-        """seqs[b] = (ids (S, T_b), hidden (S, T_b, H)): head k reads ids[k], hidden[k] at the
-        same positions and slots; chunks[r][b]: tokens request b adds in round r.
-        Returns out[k][b] = (logits (T_b, V), g (T_b, H)) gathered over the rounds."""
-        S = self.draft.num_layers
-        rows = [self.r2t.alloc() for _ in seqs]
-        pos, last = [0] * len(seqs), [-1] * len(seqs)
-        outs = [[([], []) for _ in seqs] for _ in range(S)]
-        for rnd in chunks:
-            slots = []
-            for b, n in enumerate(rnd):
-                s = self.alloc.alloc(n, pos[b], last[b])
-                self.r2t.req_to_token[rows[b], pos[b]:pos[b] + n] = s.int()
-                slots.append(s)
-            for k in range(S):
-                ids = [seqs[b][0][k, pos[b]:pos[b] + n].tolist() for b, n in enumerate(rnd)]
-                batch = ForwardBatch.build(ids, pos, rows, torch.cat(slots))
-                hidden = torch.cat([seqs[b][1][k, pos[b]:pos[b] + n] for b, n in enumerate(rnd)])
-                meta = self.backends[k].init_forward_metadata(batch)
-                out = self.draft.forward(k, batch.input_ids, batch.positions, hidden,
-                                         self.backends[k], meta)
-                assert out.logits.shape == (batch.num_tokens, self.draft.cfg.vocab_size)
-                assert out.hidden.shape == (batch.num_tokens, self.draft.cfg.hidden_size)
-                cu = 0
-                for b, n in enumerate(rnd):
-                    outs[k][b][0].append(out.logits[cu:cu + n])
-                    outs[k][b][1].append(out.hidden[cu:cu + n])
-                    cu += n
-            pos = [p + n for p, n in zip(pos, rnd)]
-            last = [int(s[-1]) if len(s) else l for s, l in zip(slots, last)]
-        for b, row in enumerate(rows):
-            self.alloc.free(self.r2t.req_to_token[row, :pos[b]])
-            self.r2t.free(row)
-        self.alloc.check_integrity()
-        self.r2t.check_integrity()
-        assert self.alloc.is_full()
-        return [[(torch.cat(lg), torch.cat(g)) for lg, g in per_k] for per_k in outs]
+
+def runner_for(draft, page_size):
+    return DraftRunner(draft, page_size, num_pools=draft.num_layers)
 
 
 def make_seq(S, n, H, seed):
@@ -156,7 +117,7 @@ def test_each_head_matches_reference(target, S, page_size, variant):
     assert draft.num_layers == S
     assert draft.kv_shape() == draft.cfg.kv_shape == (1, cfg_dict["num_key_value_heads"], D)
     seqs = [make_seq(S, 14, H, 1), make_seq(S, 9, H, 2)]
-    got = MultiRunner(draft, page_size).run(seqs, [[8, 5], [1, 2], [3, 1], [2, 1]])
+    got = run_heads(runner_for(draft, page_size), seqs, [[8, 5], [1, 2], [3, 1], [2, 1]])
     emb, head = target_embed_head(tsd, model.cfg.tie_word_embeddings)
     for k in range(S):
         for (ids, hid), (lg, g) in zip(seqs, got[k]):
@@ -172,10 +133,8 @@ def test_each_head_matches_reference(target, S, page_size, variant):
 
 def one_batch(runner, n, seed):
     ids, hid = make_seq(1, n, runner.draft.cfg.hidden_size, seed)
-    row = runner.r2t.alloc()
-    slots = runner.alloc.alloc(n)
-    runner.r2t.req_to_token[row, :n] = slots.int()
-    return ForwardBatch.build([ids[0].tolist()], [0], [row], slots), hid[0], slots
+    batch, slots = runner.prefill_batch(ids[0])
+    return batch, hid[0], slots
 
 
 def test_heads_are_independent(target):
@@ -183,7 +142,7 @@ def test_heads_are_independent(target):
     and head 0's output does not depend on whether head 1 ran."""
     model, _ = target
     _, _, draft = build(model, 3)
-    runner = MultiRunner(draft, 1)
+    runner = runner_for(draft, 1)
     batch, hid, slots = one_batch(runner, 6, 7)
     be = runner.backends
     run = lambda k: draft.forward(k, batch.input_ids, batch.positions, hid,  # noqa: E731
@@ -205,7 +164,7 @@ def test_heads_are_independent(target):
 def test_logits_indices_and_compute_logits(target):
     model, _ = target
     _, _, draft = build(model, 2)
-    runner = MultiRunner(draft, 1)
+    runner = runner_for(draft, 1)
     batch, hid, _ = one_batch(runner, 6, 9)
     be = runner.backends[1]
     fwd = lambda **kw: draft.forward(1, batch.input_ids, batch.positions, hid, be,  # noqa: E731

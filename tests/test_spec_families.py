@@ -145,7 +145,7 @@ def test_guard3_at_construction_before_buffers(deep_dir, monkeypatch, S, K, N):
     bad = _Spec(S, K, N)
     what = "num_draft_tokens" if N != S + 1 else "topk"
     with pytest.raises(ConfigError, match=what):
-        mw.MultiLayerEagleWorker(eng, eng.worker.drafter, bad)
+        mw.MultiLayerEagleWorker(eng.runner.res, eng.worker.drafter, bad)
     with pytest.raises(ConfigError, match=what):
         mw.MultiLayerEagleDraftWorker(eng.worker.drafter.model, bad, 64, 1, eng.req_to_token,
                                       torch.float32, "cpu")

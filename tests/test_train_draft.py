@@ -1,4 +1,4 @@
-"""EAGLE head training (eaglekv.training.train_draft) on a tiny random target, on the CPU: the
+"""EAGLE head training (eaglekv.training) on a tiny random target, on the CPU: the
 loss falls, the saved head loads with load_eagle_draft in the published layout (no
 embed_tokens) and its forward equals the plain-torch reference of the published module."""
 
@@ -11,9 +11,12 @@ import torch
 
 from conftest import make_tiny
 from eaglekv.model.draft_checkpoint import expected_tensors, load_eagle_draft, save_eagle_draft
-from eaglekv.training.train_draft import (build_prompts, chain_accept, extract_features, generate,
-                                      head_for_target, load_target, step_loss, target_embed_head,
-                                      train)
+from eaglekv.training.data import extract_features, generate, load_target
+from eaglekv.training.eval import chain_accept
+from eaglekv.training.head import head_for_target
+from eaglekv.training.loop import train
+from eaglekv.training.loss import step_loss, target_embed_head
+from eaglekv.training.prompts import build_prompts
 from test_eagle_draft import reference_forward
 
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from eaglekv.config import EngineConfig, SamplingParams
+from eaglekv.config import EngineConfig, SamplingParams, SpecConfig
 from eaglekv.engine import Engine
 from eaglekv.model.llama import USE_NUMPY_BLAS
 
@@ -146,10 +146,11 @@ def run_bench(model: str = "default", dtype: str = "float32", device: str = "cpu
     return result
 
 
-def main(args) -> None:
-    from eaglekv.cli import spec_from_args
+def main(args, spec: SpecConfig | None = None) -> None:
+    """`eaglekv bench`: `args` its parsed flags, `spec` the speculative config the CLI built from
+    them (None: plain only), handed down so that this module never imports eaglekv.cli."""
     result = run_bench(args.model, args.dtype, args.device, args.new_tokens, args.repeats,
-                       with_hf=not args.no_hf, spec=spec_from_args(args))
+                       with_hf=not args.no_hf, spec=spec)
     result["command"] = args.command_line
     text = json.dumps(result, indent=2)
     print(text)

@@ -8,11 +8,20 @@ Where draft token s of branch t of request b lives in row_b of req_to_token:
     ps > 1 and K > 1:   last = L_b % ps,  npp = ceil((last + S) / ps),
                         start = floor(L_b/ps)*ps + t*npp*ps + last,  pos(b, t, s) = start + s
 Both are `pos = L_b + t*npp*ps + s` (ps == 1 gives npp*ps = S; K == 1 has only t = 0), which is
-how the code computes them. For ps > 1 and K > 1, branch t >= 1 also holds at
+how the code computes them. Row b of req_to_token during a draft (ps == 1, K = 2, S = 3):
+
+    col: 0 ........ L_b-1 | L_b    L_b+1  L_b+2 | L_b+3  L_b+4  L_b+5 | ...
+         [ prefix (L_b)   | t0:s0  t0:s1  t0:s2 | t1:s0  t1:s1  t1:s2 ]
+
+and one draft step's row of kv_indices, request-major then branch-major, each segment the
+prefix and the branch's draft tokens so far (step i reads L_b + i + 1 entries):
+
+    kv_indptr[i]:  0      L_0+i+1   2(L_0+i+1)    ...
+    kv_indices[i]: [b0t0: prefix(L_0) draft(0..i)] [b0t1: prefix(L_0) draft(0..i)] [b1t0: ...] For ps > 1 and K > 1, branch t >= 1 also holds at
 `region_start_t = floor(L_b/ps)*ps + t*npp*ps` a copy of the prefix's partial last page
 (`last` slots), so that every branch sees whole pages.
 
-Every public function runs the Triton kernel (`spec_utils_triton.py`) on CUDA tensors, or on
+Every public function runs the Triton kernel (`draft_kv_indices_triton.py`) on CUDA tensors, or on
 CPU under TRITON_INTERPRET=1 with EAGLEKV_TRITON_ON_CPU=1; otherwise the PyTorch reference
 (`*_torch`, also the CPU path). Guards: the CPU path raises `KVIndexError` before writing
 anything; the Triton path records the error in the device buffer of `eaglekv.kernels.guard`

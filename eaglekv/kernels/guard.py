@@ -1,14 +1,19 @@
-"""Deferred device-side index errors.
+"""Index checks: at once on the host (`check_indices`), deferred on the device (`KVGuard`).
 
-A guarded Triton kernel never writes through an out-of-range index; it masks the access and
-records the error in a small device buffer: `[bad count, first key]` where
-`key = call_id * 2**32 + token position` (atomic min, so the earliest call and position win).
-The host reads the buffer at the step's existing sync (`raise_if_error`), so the normal path
-costs no extra sync. Outside a step, a guarded call checks at once (one sync) and raises.
-`EAGLEKV_DEVICE_ASSERT=1` switches the kernels to a hard device assert for debugging.
+`check_indices` is the CPU path of every guarded kernel: one host sync, then `KVIndexError`
+before anything is written. A guarded Triton kernel never writes through an out-of-range
+index; it masks the access and records the error in a small device buffer: `[bad count, first
+key]` where `key = call_id * 2**32 + token position` (atomic min, so the earliest call and
+position win). The host reads the buffer at the step's existing sync (`raise_if_error`), so
+the normal path costs no extra sync. Outside a step, a guarded call checks at once (one sync)
+and raises. `EAGLEKV_DEVICE_ASSERT=1` switches the kernels to a hard device assert for
+debugging.
 
 The environment switches are read once, when this module is imported (a launch-path
 `os.environ` lookup costs ~1 us on a slow host); `reload_env_flags()` reads them again.
+
+Imports go one way: this module imports no other kernel module; the kernels (`store_cache`,
+`store_cache_triton`, `move_kv`, the draft kv-index kernels) import it.
 """
 
 from __future__ import annotations
@@ -47,6 +52,17 @@ def reload_env_flags() -> EnvFlags:
 
 def device_assert_enabled() -> bool:
     return FLAGS.device_assert
+
+
+def check_indices(indices: torch.Tensor, limit: int, op: str, low: int = 0) -> None:
+    """Raise `KVIndexError` unless every index lies in `[low, limit)` (one host sync)."""
+    if indices.numel() == 0:
+        return
+    lo, hi = torch.aminmax(indices)
+    if int(lo) < low or int(hi) >= limit:
+        flat = indices.reshape(-1)
+        bad = (flat < low) | (flat >= limit)
+        raise KVIndexError(op, int(flat[bad][0]), limit, int(bad.sum()), flat.numel(), low=low)
 
 
 @dataclass
@@ -119,7 +135,6 @@ def guard_indices(indices: torch.Tensor, limit: int, op: str, layer: int | None 
     """Indices safe to address with: on CPU, checked at once (raises `KVIndexError`); on CUDA,
     bad entries are recorded in the device error buffer (no sync) and replaced by slot 0, the
     padding page, so the gather or scatter that follows stays inside its buffer."""
-    from eaglekv.kernels.store_cache import check_indices
     if not indices.is_cuda:
         check_indices(indices, limit, op, low)
         return indices

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from eaglekv.errors import KVIndexError
+from eaglekv.kernels.guard import check_indices
 
 
 def default_num_split(row_bytes: int) -> int:
@@ -22,17 +22,6 @@ def default_num_split(row_bytes: int) -> int:
     if row_bytes % 1024 == 0:
         return 2
     return 1
-
-
-def check_indices(indices: torch.Tensor, limit: int, op: str, low: int = 0) -> None:
-    """Raise `KVIndexError` unless every index lies in `[low, limit)` (one host sync)."""
-    if indices.numel() == 0:
-        return
-    lo, hi = torch.aminmax(indices)
-    if int(lo) < low or int(hi) >= limit:
-        flat = indices.reshape(-1)
-        bad = (flat < low) | (flat >= limit)
-        raise KVIndexError(op, int(flat[bad][0]), limit, int(bad.sum()), flat.numel(), low=low)
 
 
 def _as_rows(x: torch.Tensor, n: int, name: str) -> torch.Tensor:

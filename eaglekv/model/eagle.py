@@ -26,8 +26,8 @@ import torch
 from eaglekv.errors import ModelLoadError
 from eaglekv.model.llama import DecoderLayer, LlamaForCausalLM, ModelOutput, linear, t
 from eaglekv.model.rope import RotaryEmbedding
-from eaglekv.model.draft_checkpoint import (LAYER, EagleDraftConfig, check_against_target,
-                                       check_eagle_state_dict)
+from eaglekv.model.draft_checkpoint import LAYER, EagleDraftConfig, check_eagle_state_dict
+from eaglekv.model.draft_io import check_against_target
 
 
 class EagleDraftModel:

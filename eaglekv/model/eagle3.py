@@ -30,7 +30,7 @@ from eaglekv.errors import ModelLoadError
 from eaglekv.model.config import ModelConfig
 from eaglekv.model.llama import DecoderLayer, LlamaForCausalLM, ModelOutput, linear, rms_norm, t
 from eaglekv.model.rope import RotaryEmbedding
-from eaglekv.model.draft_checkpoint import check_against_target
+from eaglekv.model.draft_io import check_against_target, decoder_layer_config
 from eaglekv.model.eagle3_checkpoint import MID, Eagle3DraftConfig, check_eagle3_state_dict
 
 
@@ -70,13 +70,7 @@ class Eagle3DraftModel:
 
     def layer_config(self) -> ModelConfig:
         """What `DecoderLayer` reads to fuse the midlayer's weights."""
-        c = self.cfg
-        return ModelConfig(
-            model_type="llama", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size, num_layers=1, num_heads=c.num_heads,
-            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-            max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=False,
-            attention_bias=c.attention_bias, qk_norm=False, hf_config=c.rope)
+        return decoder_layer_config(self.cfg)
 
     @staticmethod
     def aux_layers(num_target_layers: int, override: tuple[int, ...] | None = None

@@ -34,10 +34,12 @@ import torch
 
 from eaglekv.errors import ModelLoadError
 from eaglekv.model.config import ModelConfig
-from eaglekv.model.draft_checkpoint import (IGNORED_SUFFIXES, check_against_target, read_draft_dir,
-                                       save_eagle_draft)
+from eaglekv.model.draft_io import (check_against_target, check_tensors, llama_fields,
+                                    random_llama_dict, random_tensors, read_draft_dir,
+                                    save_draft_dir)
 
 MID = "midlayer."
+WHAT = "EAGLE-3 draft"
 
 
 @dataclass(frozen=True)
@@ -76,11 +78,7 @@ class Eagle3DraftConfig:
         if n_layers != 1:
             raise ModelLoadError(f"config.json has num_hidden_layers={n_layers}; eaglekv runs "
                                  f"EAGLE-3 heads with exactly 1 decoder layer (midlayer)")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"draft hidden_act={d['hidden_act']!r} unsupported; only 'silu'")
-        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
-            if key not in d:
-                raise ModelLoadError(f"EAGLE-3 draft config.json lacks {key!r}")
+        fields = llama_fields(d, WHAT)
         if d.get("draft_vocab_size") is None:
             rows = sd["lm_head.weight"].shape[0] if "lm_head.weight" in sd else "?"
             raise ModelLoadError(f"EAGLE-3 draft config.json lacks 'draft_vocab_size' (lm_head "
@@ -88,25 +86,18 @@ class Eagle3DraftConfig:
         if (eagle := d.get("eagle_config")) and eagle.get("use_aux_hidden_state") is False:
             raise ModelLoadError("eagle_config.use_aux_hidden_state=false (no fc over 3 target "
                                  "layers) is unsupported")
-        H, heads = d["hidden_size"], d["num_attention_heads"]
+        H = fields["hidden_size"]
         if d.get("target_hidden_size", H) != H:
             raise ModelLoadError(f"draft target_hidden_size={d['target_hidden_size']} differs "
                                  f"from its hidden_size={H}: heads narrower than their target "
                                  f"are unsupported")
         fc_bias = d.get("bias")
-        from transformers import LlamaConfig
-        rope_keys = {k: v for k, v in d.items() if k not in ("model_type", "architectures")}
         return cls(
-            hidden_size=H, num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or H // heads, intermediate_size=d["intermediate_size"],
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6), vocab_size=d["vocab_size"],
-            draft_vocab_size=d["draft_vocab_size"],
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            **fields, draft_vocab_size=d["draft_vocab_size"],
             fc_bias=bool("fc.bias" in sd if fc_bias is None else fc_bias),
             attention_bias=bool(d.get("attention_bias", d.get("qkv_bias", False))),
             norm_before_residual=bool(d.get("norm_before_residual", False)),
-            has_embed="embed_tokens.weight" in sd, aux_layer_ids=configured_aux_layers(d),
-            hf_dict=dict(d), rope=LlamaConfig(**rope_keys))
+            has_embed="embed_tokens.weight" in sd, aux_layer_ids=configured_aux_layers(d))
 
 
 def configured_aux_layers(d: dict) -> tuple[int, ...] | None:
@@ -168,17 +159,8 @@ def check_eagle3_state_dict(cfg: Eagle3DraftConfig, sd: dict[str, torch.Tensor])
     if "lm_head.weight" in sd and sd["lm_head.weight"].shape[0] != cfg.draft_vocab_size:
         raise ModelLoadError(f"EAGLE-3 draft: draft_vocab_size={cfg.draft_vocab_size} but "
                              f"lm_head.weight has {sd['lm_head.weight'].shape[0]} rows")
-    want = expected_tensors(cfg)
-    for name, shape in want.items():
-        if name not in sd:
-            raise ModelLoadError(f"EAGLE-3 draft: missing tensor {name} (expected shape {shape})")
-        if tuple(sd[name].shape) != shape:
-            raise ModelLoadError(f"EAGLE-3 draft: tensor {name} has shape "
-                                 f"{tuple(sd[name].shape)}, config expects {shape}")
-    extra = [n for n in sd if n not in want and not n.endswith(IGNORED_SUFFIXES)]
-    if extra:
-        raise ModelLoadError(f"EAGLE-3 draft: {len(extra)} unexpected tensors, e.g. {extra[:4]} "
-                             f"(an EAGLE-3 head is fc + midlayer + norm + lm_head + d2t/t2d)")
+    check_tensors(expected_tensors(cfg), sd, WHAT, "an EAGLE-3 head is fc + midlayer + norm + "
+                  "lm_head + d2t/t2d")
     check_vocab_map(cfg, sd["d2t"], sd["t2d"])
 
 
@@ -215,18 +197,14 @@ def check_vocab_map(cfg: Eagle3DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor
 def load_eagle3_draft(path: str | os.PathLike, target: ModelConfig
                       ) -> tuple[Eagle3DraftConfig, dict[str, torch.Tensor]]:
     """Read an EAGLE-3 head directory; the state dict comes back with normalised names."""
-    d, sd = read_draft_dir(path, "EAGLE-3 draft")
+    d, sd = read_draft_dir(path, WHAT)
     cfg = Eagle3DraftConfig.from_dict(d, sd)
     check_against_target(cfg, target)
     check_eagle3_state_dict(cfg, sd)
     return cfg, sd
 
 
-def save_eagle3_draft(path: str | os.PathLike, cfg_dict: dict, state_dict: dict[str, torch.Tensor],
-                      fmt: str = "bin", num_shards: int = 1) -> None:
-    """Write config.json and the weights ("bin": pytorch_model.bin, "safetensors":
-    model.safetensors); the files are laid out as for EAGLE-1/2."""
-    save_eagle_draft(path, cfg_dict, state_dict, fmt, num_shards)
+save_eagle3_draft = save_draft_dir   # the files are laid out as for EAGLE-1/2
 
 
 def random_eagle3_draft(target: ModelConfig, draft_vocab_size: int, seed: int = 0, *,
@@ -242,39 +220,19 @@ def random_eagle3_draft(target: ModelConfig, draft_vocab_size: int, seed: int = 
     tokens): d2t = ids - arange(Vd), t2d marks ids. RoPE settings are copied from the target.
     `with_embed` stores embed_tokens.weight (`embed`, or random when None).
     """
-    from eaglekv.model.rope import rope_parameters
-    g = torch.Generator().manual_seed(seed)
-    H, V, Vd = target.hidden_size, target.vocab_size, draft_vocab_size
+    V, Vd = target.vocab_size, draft_vocab_size
     if not 0 < Vd <= V:
         raise ValueError(f"draft_vocab_size={Vd} must be in [1, {V}] (the target's vocabulary)")
-    heads = num_heads or target.num_heads
-    kv_heads = num_kv_heads or (target.num_kv_heads if num_heads is None else heads)
-    D = target.head_dim if num_heads is None else H // heads
-    rope = rope_parameters(target.hf_config) if target.hf_config is not None else {}
-    theta = rope.pop("rope_theta", 10000.0)
-    scaling = None if rope.get("rope_type", "default") == "default" else rope
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-           "hidden_act": "silu", "hidden_size": H,
-           "intermediate_size": intermediate_size or target.intermediate_size,
-           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "num_hidden_layers": 1,
-           "max_position_embeddings": target.max_position_embeddings,
-           "rms_norm_eps": target.rms_norm_eps, "rope_theta": theta, "rope_scaling": scaling,
-           "vocab_size": V, "draft_vocab_size": Vd, "tie_word_embeddings": False,
-           "bias": fc_bias, "attention_bias": attention_bias, "torch_dtype": "float32"}
+    cfg = {**random_llama_dict(target, "LlamaForCausalLMEagle3", num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, intermediate_size=intermediate_size),
+           "draft_vocab_size": Vd, "bias": fc_bias, "attention_bias": attention_bias}
     if norm_before_residual:
         cfg["norm_before_residual"] = True
-    if D != H // heads:
-        cfg["head_dim"] = D
     want = expected_tensors(Eagle3DraftConfig.from_dict(cfg, {"embed_tokens.weight": None}
                                                         if with_embed else {}))
-    sd = {}
-    for name, shape in want.items():
-        if name in ("d2t", "t2d"):
-            continue
-        if name.endswith("norm.weight"):
-            sd[name] = torch.rand(shape, generator=g) * 0.4 + 0.8
-        else:
-            sd[name] = torch.randn(shape, generator=g) * std
+    g = torch.Generator().manual_seed(seed)
+    sd = random_tensors({n: shape for n, shape in want.items() if n not in ("d2t", "t2d")},
+                        g, std)
     ids = torch.randperm(V, generator=g)[:Vd].sort().values                  # (Vd,) target ids
     sd["d2t"] = ids - torch.arange(Vd)                                        # (Vd,) int64
     sd["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True)    # (V,) bool

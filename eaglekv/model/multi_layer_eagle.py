@@ -2,7 +2,7 @@
 
 Checkpoint layout: the eaglekv layout of S EAGLE layers. There is no published layout for
 "S separate EAGLE layers", so eaglekv defines one that stacks S EAGLE-1 heads (SafeAILab/EAGLE
-`cnets1.py`, see draft_loader.py) under per-layer prefixes:
+`cnets1.py`, see draft_checkpoint.py) under per-layer prefixes:
 
 - `config.json`: a LlamaConfig-style dict with `architectures: ["EagleKVMultiLayerDraft"]`,
   `num_hidden_layers: S` (the number of draft layers, >= 1), hidden_size, intermediate_size,
@@ -44,13 +44,15 @@ import torch
 from eaglekv.errors import ModelLoadError
 from eaglekv.model.config import ModelConfig
 from eaglekv.model.llama import LlamaForCausalLM, ModelOutput
-from eaglekv.model.draft_checkpoint import (IGNORED_SUFFIXES, LAYER, EagleDraftConfig,
-                                       check_against_target, eagle3_refusal,
-                                       random_eagle_draft, read_draft_dir, save_eagle_draft)
+from eaglekv.model.draft_checkpoint import (LAYER, EagleDraftConfig, eagle3_refusal,
+                                            random_eagle_draft)
 from eaglekv.model.draft_checkpoint import expected_tensors as eagle_expected_tensors
+from eaglekv.model.draft_io import (check_against_target, check_tensors, llama_fields,
+                                    read_draft_dir, save_draft_dir)
 from eaglekv.model.eagle import EagleDraftModel
 
 ARCHITECTURE = "EagleKVMultiLayerDraft"
+WHAT = "multi-layer draft"
 MTP_PARTS = ("eh_proj", "enorm", "hnorm", "shared_head")   # DeepSeek MTP module names
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
@@ -103,27 +105,14 @@ class MultiLayerDraftConfig:
             raise ModelLoadError(f"config.json has num_hidden_layers={S} but the checkpoint "
                                  f"holds layers {present} ({len(present)} layers); they must "
                                  f"be exactly 0 .. {S - 1}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"draft hidden_act={d['hidden_act']!r} unsupported; only 'silu'")
         if d.get("qkv_bias") or d.get("attention_bias"):
             raise ModelLoadError("qkv_bias/attention_bias=true is unsupported in the multi-layer "
                                  "draft layout (its q/k/v projections have no bias)")
-        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
-            if key not in d:
-                raise ModelLoadError(f"draft config.json lacks {key!r}")
-        H, heads = d["hidden_size"], d["num_attention_heads"]
         fc_bias = d.get("bias")  # None: the state dict decides (layer 0 is representative)
-        from transformers import LlamaConfig
-        rope_keys = {k: v for k, v in d.items() if k not in ("model_type", "architectures")}
         return cls(
-            num_layers=S, hidden_size=H, num_heads=heads,
-            num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or H // heads, intermediate_size=d["intermediate_size"],
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6), vocab_size=d["vocab_size"],
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            num_layers=S, **llama_fields(d, WHAT),
             fc_bias=bool("layers.0.fc.bias" in sd if fc_bias is None else fc_bias),
-            has_embed="embed_tokens.weight" in sd, hf_dict=dict(d),
-            rope=LlamaConfig(**rope_keys))
+            has_embed="embed_tokens.weight" in sd)
 
 
 # ---- checks --------------------------------------------------------------------------------------
@@ -161,19 +150,8 @@ def layer_name(head_name: str, k: int) -> str:
 
 
 def check_multi_layer_state_dict(cfg: MultiLayerDraftConfig, sd: dict[str, torch.Tensor]) -> None:
-    want = expected_tensors(cfg)
-    for name, shape in want.items():
-        if name not in sd:
-            raise ModelLoadError(f"multi-layer draft: missing tensor {name} "
-                                 f"(expected shape {shape})")
-        if tuple(sd[name].shape) != shape:
-            raise ModelLoadError(f"multi-layer draft: tensor {name} has shape "
-                                 f"{tuple(sd[name].shape)}, config expects {shape}")
-    extra = [n for n in sd if n not in want and not n.endswith(IGNORED_SUFFIXES)]
-    if extra:
-        raise ModelLoadError(f"multi-layer draft: {len(extra)} unexpected tensors, e.g. "
-                             f"{extra[:4]} (each layer is fc + one decoder layer without input "
-                             f"norm; the target's LM head is shared)")
+    check_tensors(expected_tensors(cfg), sd, WHAT, "each layer is fc + one decoder layer "
+                  "without input norm; the target's LM head is shared")
 
 
 def head_state_dict(sd: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
@@ -190,18 +168,14 @@ def head_state_dict(sd: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tens
 def load_multi_layer_draft(path: str | os.PathLike, target: ModelConfig
                            ) -> tuple[MultiLayerDraftConfig, dict[str, torch.Tensor]]:
     """Read a multi-layer draft directory; the state dict comes back with normalised names."""
-    d, sd = read_draft_dir(path, "multi-layer draft")
+    d, sd = read_draft_dir(path, WHAT)
     cfg = MultiLayerDraftConfig.from_dict(d, sd)
     check_against_target(cfg, target)
     check_multi_layer_state_dict(cfg, sd)
     return cfg, sd
 
 
-def save_multi_layer_draft(path: str | os.PathLike, cfg_dict: dict,
-                           state_dict: dict[str, torch.Tensor], fmt: str = "bin",
-                           num_shards: int = 1) -> None:
-    """config.json + pytorch_model.bin ("bin") or model.safetensors, as `save_eagle_draft`."""
-    save_eagle_draft(path, cfg_dict, state_dict, fmt, num_shards)
+save_multi_layer_draft = save_draft_dir   # the files are laid out as for EAGLE-1/2
 
 
 def random_multi_layer_draft(target: ModelConfig, num_layers: int, seed: int = 0, *,

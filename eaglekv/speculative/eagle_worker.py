@@ -1,6 +1,6 @@
-"""EagleWorker: the EAGLE-1/2 loop inside the engine's continuous batching.
+"""EagleWorker: the EAGLE-1/2 speculative runner (EAGLE-3 too, with its drafter).
 
-Per engine step either
+Per engine step (the scheduler plans which) either
   prefill: target extend (hidden states kept) -> sample the first token -> draft extend over
            the same slots with the ids shifted left by one and that token appended; or
   decode:  draft (S select steps) -> organize + build tree -> verify (one target extend of N
@@ -18,123 +18,103 @@ import time
 
 import torch
 
-from eaglekv.core import ForwardBatch, SpecStats
-from eaglekv.sampling import (apply_penalties, batch_logprobs, sample_next,
-                                     token_logprobs, valid_argmax, valid_probs)
+from eaglekv.core import ForwardBatch, SpecStats, StepPlan, StepResult
+from eaglekv.runner import ModelRunner, RunnerResources, guarded
+from eaglekv.sampling import apply_penalties, token_logprobs, valid_argmax, valid_probs
 from eaglekv.speculative.accept import greedy_accept, sample_accept
-from eaglekv.speculative.draft_loop import DraftLoop, processed_probs, exponential_noise, uniform_noise
+from eaglekv.speculative.draft_loop import (DraftLoop, exponential_noise, processed_probs,
+                                            uniform_noise)
 from eaglekv.speculative.slots import DraftSlots
 from eaglekv.speculative.tree import build_tree, organize
 
 
 class EagleWorker:
-    def __init__(self, engine, drafter, spec):
-        self.engine, self.drafter, self.spec = engine, drafter, spec
+    """The speculative runner: `run(plan) -> StepResult` like ModelRunner, whose instance it
+    holds for its target (`self.target`). Its per-request state is the draft's distribution
+    and hidden state at the root (`req.draft_state`), set here and cleared by the scheduler
+    when it frees the request."""
+
+    separate_decode = True         # speculative steps are planned apart from prefills
+
+    def __init__(self, res: RunnerResources, drafter, spec):
+        self.res, self.drafter, self.spec = res, drafter, spec
         self.S, self.K, self.N = spec.num_steps, spec.topk, spec.num_draft_tokens
-        self.target = engine.model
+        self.target = ModelRunner(res)
         self.loop = DraftLoop(drafter, self.S, self.K)
-        self.slots = DraftSlots(engine, drafter, spec)
-        self._prefilled_last = False   # the last step was a prefill: decode next if any can
+        self.slots = DraftSlots(res, drafter, spec)
         self.reset_stats()
 
     def reset_stats(self) -> None:
         self.stats = SpecStats(accept_histogram={})
         self.timings = {"draft": 0.0, "verify": 0.0, "accept": 0.0, "extend": 0.0}
 
-    # ---- memory ---------------------------------------------------------------------------------
-    def pages_needed(self, req) -> int:
+    # ---- step geometry (asked by the scheduler) ------------------------------------------------
+    def step_pages(self, kv_len: int) -> int:
         """Pages a running request may need during its next decode step (draft slots are
         returned before the verify slots are taken, so the peak is the larger of the two)."""
-        return self.slots.peak_pages(req.kv_len)
-
-    def pages_needed_at(self, kv_len: int) -> int:
         return self.slots.peak_pages(kv_len)
 
-    # ---- one engine step -----------------------------------------------------------------------
-    def step(self) -> list:
-        """Prefill (a chunk of) the requests that have no draft state yet, else one decode step
-        for those that have one. While a long prompt is prefilled chunk by chunk, prefill and
-        decode steps alternate, so the decoding requests keep going."""
-        eng = self.engine
-        fresh = [r for r in eng.running if r.draft_state is None]
-        ready = len(fresh) < len(eng.running)
-        if fresh and not (ready and self._prefilled_last):
-            self._prefilled_last = True
-            planned = eng._plan_extend(eng._chunk(fresh))
-            reqs = [p[0] for p in planned]
-            if reqs:
-                eng._run_guarded(reqs, lambda: self.prefill(reqs, planned))
-            return reqs
-        self._prefilled_last = False
-        self._reserve()
-        reqs = [r for r in eng.running if r.draft_state is not None]
-        if reqs:
-            eng._run_guarded(reqs, lambda: self.decode(reqs))
-        return reqs
+    def window_pages(self, kv_len: int) -> int:
+        """Pages past a request's last token its last step may hold: a whole step's peak."""
+        return self.slots.peak_pages(kv_len)
 
-    def _reserve(self) -> None:
-        """Make sure every running request's decode step fits: preempt the newest until the
-        free pages cover the sum of their peaks, so no allocation inside the step can fail."""
-        eng = self.engine
-        while len(eng.running) > 1 and (sum(self.pages_needed(r) for r in eng.running)
-                                        > eng.allocator.free_pages):
-            eng._preempt(eng.running[-1])
+    @staticmethod
+    def can_decode(req) -> bool:
+        """Prefilled and sampled: the draft's root state exists."""
+        return req.draft_state is not None
+
+    # ---- one step --------------------------------------------------------------------------------
+    def run(self, plan: StepPlan) -> StepResult:
+        with guarded(self.res.device):
+            return self.prefill(plan) if plan.kind == "extend" else self.decode(plan.reqs)
 
     # ---- prefill --------------------------------------------------------------------------------
-    def prefill(self, reqs, planned) -> None:
-        """planned: (req, ids, prefix, slots) as the engine allocated them. A request whose
-        prefill is chunked (`kv_len < len(all_ids)`) samples nothing yet; the draft still
-        extends over its chunk (input at p: token p + 1, all of them prompt tokens), and its
+    def prefill(self, plan: StepPlan) -> StepResult:
+        """A (chunk of a) prefill: the target extends and samples like a plain step, then the
+        draft extends over the same slots (input at p: token p + 1). A request whose prefill
+        is chunked samples nothing yet (its input ends with the next prompt token), and its
         draft state stays None until the chunk that completes it."""
-        eng = self.engine
-        batch = ForwardBatch.build([p[1] for p in planned], [p[2] for p in planned],
-                                   [r.row for r in reqs], torch.cat([p[3] for p in planned]),
-                                   eng.device)
-        done = [i for i, r in enumerate(reqs) if r.kv_len == len(r.all_ids)]
-        out = self.target.forward(batch, eng.backend,
-                                  logits_indices=batch.last_token_indices[done],
-                                  return_hidden=True, capture_layers=self.drafter.capture_layers)
+        reqs = plan.reqs
+        res, out, batch = self.target.run_extend(plan, return_hidden=True,
+                                                 capture_layers=self.drafter.capture_layers)
         feats = self.drafter.features(out)                                        # (T, Hf)
-        partial = [r for i, r in enumerate(reqs) if i not in done]
-        if done:
-            sampled = [reqs[i] for i in done]
-            params = [r.params for r in sampled]
-            logits = apply_penalties(out.logits, params, [r.output_ids for r in sampled],
-                                     [r.all_ids for r in sampled])
-            tokens = sample_next(logits, params,
-                                 [r.generator for r in sampled])          # the step's sync
-            for r, t, lp in zip(sampled, tokens, batch_logprobs(out.logits, tokens, params)):
-                if t is None:     # not a usable distribution: it fails alone
-                    r.fail_sampling()
-                else:
-                    r.append_tokens([t], lp)
-        live = [i for i, r in enumerate(reqs) if not r.finished]
+        live = [i for i, r in enumerate(reqs) if not res.failed[i]]
         if live:
-            # draft input at position p is (token p + 1, target hidden p)
-            ids = [reqs[i].all_ids[planned[i][2] + 1:reqs[i].kv_len + 1] for i in live]
+            # draft input at position p is (token p + 1, target hidden p): the prompt shifted
+            # left by one, then the sampled token where the prompt is complete
+            ids, ctx = [], []
+            for i in live:
+                r, p = reqs[i], plan.prefix_lens[i]
+                ids.append(r.all_ids[p + 1:r.kv_len] + (res.tokens[i] or
+                                                         [r.all_ids[r.kv_len]]))
+                ctx.append(r.all_ids + (res.tokens[i] or []))
             cu = [0]
             for ext in batch.extend_lens_cpu:
                 cu.append(cu[-1] + ext)
             hidden = torch.cat([feats[cu[i]:cu[i + 1]] for i in live])
-            self._draft_extend([reqs[i] for i in live], ids, [planned[i][2] for i in live],
-                               torch.cat([planned[i][3] for i in live]), hidden)
-        for r in partial:      # still prefilling: the next step prefills it again
-            r.draft_state = None
+            self._draft_extend([reqs[i] for i in live], ids, [plan.prefix_lens[i] for i in live],
+                               torch.cat([plan.slots[i] for i in live]), hidden, ctx)
+        for i, r in enumerate(reqs):
+            if res.tokens[i] is None:   # still prefilling (or failed): no root yet
+                r.draft_state = None
+        return res
 
-    def _draft_extend(self, reqs, ids, prefix, slots, hidden) -> None:
+    def _draft_extend(self, reqs, ids, prefix, slots, hidden, contexts) -> None:
+        """The draft over the requests' new tokens; its last position is the next root.
+        `contexts`: each request's tokens with this step's included (for a drafter that needs
+        them: the books are committed after the runner returns)."""
         t0 = time.perf_counter()
-        eng = self.engine
-        batch = ForwardBatch.build(ids, prefix, [r.row for r in reqs], slots, eng.device)
-        ctx = [r.all_ids for r in reqs] if self.drafter.needs_contexts else None
-        out = self.drafter.extend(batch, hidden, ctx)
+        batch = ForwardBatch.build(ids, prefix, [r.row for r in reqs], slots, self.res.device)
+        out = self.drafter.extend(batch, hidden, contexts if self.drafter.needs_contexts
+                                  else None)
         for i, r in enumerate(reqs):
             r.draft_state = (out.logits[i], None if out.hidden is None else out.hidden[i])
         self.timings["extend"] += time.perf_counter() - t0
 
     # ---- decode ---------------------------------------------------------------------------------
-    def decode(self, reqs) -> None:
-        eng, S, N = self.engine, self.S, self.N
-        dev = eng.device
+    def decode(self, reqs) -> StepResult:
+        S, N = self.S, self.N
+        dev = self.res.device
         B = len(reqs)
         t0 = time.perf_counter()
         seq_lens = torch.tensor([r.kv_len for r in reqs], device=dev)              # (B,)
@@ -163,8 +143,8 @@ class EagleWorker:
                              out_cache_loc=vslots.reshape(-1).to(dev),
                              prefix_lens_cpu=tuple(r.kv_len for r in reqs),
                              extend_lens_cpu=(N,) * B, extend_mask=tree.mask)
-        out = self.target.forward(batch, eng.backend, return_hidden=True,
-                                  capture_layers=self.drafter.capture_layers)
+        out = self.res.model.forward(batch, self.res.backend, return_hidden=True,
+                                     capture_layers=self.drafter.capture_layers)
         logits = out.logits.view(B, N, -1)                                        # (B, N, V)
         feats = self.drafter.features(out).view(B, N, -1)                         # (B, N, Hf)
         t2 = time.perf_counter()
@@ -190,7 +170,7 @@ class EagleWorker:
         path = res.path[:, 1:P + 1]                                               # (B, P)
         dst = vdev[:, 1:P + 1]
         src = torch.where(path >= 0, vdev.gather(1, path.clamp(min=0)), dst)      # (B, P)
-        eng.kv_pool.move_kv(dst, src)
+        self.res.kv_pool.move_kv(dst, src)
         hid = feats.gather(1, res.path[:, :P + 1].clamp(min=0)[:, :, None].expand(
             B, P + 1, feats.shape[-1]))                                           # (B, P+1, Hf)
         window = self._extend_window(reqs, res, committed, feats, vdev, seq_lens)
@@ -199,34 +179,38 @@ class EagleWorker:
         good, acc, toks = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
         lps = self._window_logprobs(reqs, logits, res.path, acc, toks, good)
         t3 = time.perf_counter()
-        # 5. books on the host: free the rejected tail, append tokens, draft extend
-        live, ids, prefix, slots, hidden = [], [], [], [], []
+        # 5. the result: the rejected tail goes back; a failed request commits nothing
+        result = StepResult(tokens=[None] * B, logprobs=[None] * B, failed=[False] * B,
+                            kv_advance=[0] * B, last_slots=[-1] * B, accepted=[None] * B,
+                            draft_tokens=N - 1)
+        free, live, ids, prefix, slots, hidden, ctx = [], [], [], [], [], [], []
         for b, r in enumerate(reqs):
-            if not good[b]:   # fails alone: commits nothing, its verify slots go back
-                self.slots.free_tail(vslots[b])
-                r.fail_sampling()
+            if not good[b]:   # fails alone: its verify slots go back
+                free.append(vslots[b])
+                result.failed[b] = True
                 continue
             a = acc[b]
-            self.slots.free_tail(vslots[b, a + 1:])
-            r.kv_len, r.last_slot = r.kv_len + a + 1, int(vslots[b, a])
-            self._count(r, a)
-            r.append_tokens(toks[b][:a + 1], lps[b])
-            if r.finished:
-                continue
+            free.append(vslots[b, a + 1:])
+            result.kv_advance[b], result.last_slots[b] = a + 1, int(vslots[b, a])
+            result.accepted[b], result.tokens[b], result.logprobs[b] = a, toks[b][:a + 1], lps[b]
+            self._count(a)
             live.append(r)
             ids.append(toks[b][:a + 1])
-            prefix.append(r.kv_len - a - 1)
+            prefix.append(r.kv_len)
             slots.append(vslots[b, :a + 1])
             hidden.append(hid[b, :a + 1])
+            ctx.append(r.all_ids + toks[b][:a + 1])
+        result.free_slots = torch.cat(free)
         self.timings["draft"] += t1 - t0
         self.timings["verify"] += t2 - t1
         self.timings["accept"] += t3 - t2
         if window is not None:  # the draft already ran over the window, before the sync
             for b, r in enumerate(reqs):
-                if not r.finished:
+                if good[b]:
                     r.draft_state = (window.logits[b], window.hidden[b])
         elif live:
-            self._draft_extend(live, ids, prefix, torch.cat(slots), torch.cat(hidden))
+            self._draft_extend(live, ids, prefix, torch.cat(slots), torch.cat(hidden), ctx)
+        return result
 
     @staticmethod
     def _penalized(reqs, logits, tree):
@@ -269,9 +253,10 @@ class EagleWorker:
         (multi-layer EAGLE does); returns a DraftOut of the next roots, or None."""
         return None
 
-    def _count(self, req, accepted: int) -> None:
-        for st in (req.spec_stats, self.stats):
-            st.verify_steps += 1
-            st.draft_tokens += self.N - 1
-            st.accepted_tokens += accepted
-            st.accept_histogram[accepted + 1] = st.accept_histogram.get(accepted + 1, 0) + 1
+    def _count(self, accepted: int) -> None:
+        """Engine-wide counters (each request's own are counted when its result is committed)."""
+        st = self.stats
+        st.verify_steps += 1
+        st.draft_tokens += self.N - 1
+        st.accepted_tokens += accepted
+        st.accept_histogram[accepted + 1] = st.accept_histogram.get(accepted + 1, 0) + 1

@@ -4,7 +4,11 @@ Draft slots follow DESIGN.md "Draft KV indices": ps == 1 or K == 1, branch t's d
 sits at position L_b + t*S + s of the request's req_to_token row; ps > 1 with K > 1, every
 branch owns page-aligned pages, branches t >= 1 starting with a copy of the prefix's partial
 last page. They live only for the draft phase. The verify window takes N slots at positions
-L_b .. L_b + N - 1; after acceptance the accepted ones stay, the rest go back.
+L_b .. L_b + N - 1; after acceptance the accepted ones stay, the rest go back:
+
+    req_to_token[row_b]:  [ prefix (L_b) | v0 v1 ... v_{N-1} ]      verify window, node j at v_j
+    after accept (a = 2): [ prefix (L_b) | v0 v1 v2 ] + v3.. freed   accepted K/V moved to
+                          depth order first (move_kv: slot of depth j <- slot of path node j)
 
 The kv_indices buffer is sized once, from the largest batch the config allows (guard 2:
 `draft_kv_indices_buffer_width` raises if its int32 offsets could overflow).
@@ -44,13 +48,14 @@ class DraftBatch:
 
 
 class DraftSlots:
-    def __init__(self, engine, drafter, spec):
-        self.eng, self.drafter = engine, drafter
+    def __init__(self, res, drafter, spec):
+        """`res`: the runner's RunnerResources (allocator, req_to_token, KV pool, sizes)."""
+        self.res, self.drafter = res, drafter
         self.S, self.K, self.N = spec.num_steps, spec.topk, spec.num_draft_tokens
-        self.ps = engine.config.page_size
-        R = engine.config.max_running_requests
-        width = kv_indices_width(spec, R, engine.max_context_len)
-        dev = engine.device
+        self.ps = res.page_size
+        R = res.max_running_requests
+        width = kv_indices_width(spec, R, res.max_context_len)
+        dev = res.device
         self.kv_indices = torch.zeros(self.S, width, dtype=torch.int32, device=dev)
         self.kv_indptr = torch.zeros(self.S, R * self.K + 1, dtype=torch.int32, device=dev)
 
@@ -60,7 +65,7 @@ class DraftSlots:
         return -(-(L % self.ps + self.S) // self.ps)
 
     def peak_pages(self, L: int) -> int:
-        a = self.eng.allocator
+        a = self.res.allocator
         S, K, ps = self.S, self.K, self.ps
         if ps == 1 or K == 1:
             draft = a.pages_needed(L, K * S)
@@ -70,8 +75,8 @@ class DraftSlots:
 
     # ---- draft phase ----------------------------------------------------------------------------
     def prepare_draft(self, reqs, rows: torch.Tensor, seq_lens: torch.Tensor) -> DraftBatch:
-        eng, S, K, ps = self.eng, self.S, self.K, self.ps
-        alloc = eng.allocator
+        res, S, K, ps = self.res, self.S, self.K, self.ps
+        alloc = res.allocator
         B = len(reqs)
         slots = torch.empty(B, K, S, dtype=torch.int64)                        # cpu
         owned, copy_locs, copy_src = [], None, []
@@ -96,14 +101,14 @@ class DraftSlots:
                 copy_locs[b, t - 1, :last] = pages[:last]
             if last:
                 copy_src.append((b, L - last, last))
-        dev = eng.device
+        dev = res.device
         slots_dev = slots.to(dev)
-        r2t = eng.req_to_token.req_to_token
+        r2t = res.req_to_token.req_to_token
         assign_draft_cache_locs(r2t, rows, seq_lens, slots_dev.reshape(-1), K, S, ps,
                                 None if copy_locs is None else copy_locs.to(dev))
         # every slot the draft will read is checked here, before any K/V is written
         generate_draft_decode_kv_indices(r2t, rows, seq_lens, K, S, ps, self.kv_indices,
-                                         self.kv_indptr, eng.kv_pool.size_limit,
+                                         self.kv_indptr, res.kv_pool.size_limit,
                                          seq_lens_sum=sum(r.kv_len for r in reqs))
         pool = self.drafter.kv_pool
         if copy_src and pool is not None:
@@ -118,17 +123,14 @@ class DraftSlots:
         return DraftBatch(self, slots_dev, owned)
 
     def release_draft(self, d: DraftBatch) -> None:
-        self.eng.allocator.free(torch.cat(d.owned))
+        self.res.allocator.free(torch.cat(d.owned))
 
     # ---- verify window --------------------------------------------------------------------------
     def alloc_verify(self, reqs, rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """(B, N) cpu slots for positions L_b .. L_b + N - 1, written into req_to_token."""
-        alloc, N = self.eng.allocator, self.N
+        alloc, N = self.res.allocator, self.N
         vslots = torch.stack([alloc.alloc(N, r.kv_len, r.last_slot) for r in reqs])  # (B, N)
         cols = seq_lens[:, None] + torch.arange(N, device=seq_lens.device)[None, :]  # (B, N)
-        self.eng.req_to_token.req_to_token[rows[:, None], cols] = vslots.to(
+        self.res.req_to_token.req_to_token[rows[:, None], cols] = vslots.to(
             seq_lens.device, torch.int32)
         return vslots
-
-    def free_tail(self, slots: torch.Tensor) -> None:
-        self.eng.allocator.free(slots)

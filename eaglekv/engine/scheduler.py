@@ -1,0 +1,208 @@
+"""The scheduler: admission, chunked prefill, KV reservation and preemption, one StepPlan per
+step, and the commit of the runner's StepResult. It never runs a model; the step geometry
+(how many pages a request's next step may take) comes from the runner.
+
+    schedule():  admit (fairness.next_to_admit) -> plain: extend every running request by its
+                 share of the step (fairness.prefill_shares), slots allocated here;
+                 speculative: a prefill (chunk) step for the requests the runner cannot decode
+                 yet, alternating with decode steps for the others, whose pages are reserved
+                 here (the newest preempted until they fit)
+    commit():    free what the runner handed back, advance kv_len, append tokens (stop rules
+                 fire), count spec stats, fail or finish requests and free their KV
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+import torch
+
+from eaglekv.core import StepPlan, StepResult
+from eaglekv.engine.fairness import next_to_admit, prefill_shares
+from eaglekv.engine.request import Req
+from eaglekv.errors import OutOfKVMemoryError
+
+
+class Scheduler:
+    def __init__(self, config, allocator, req_to_token, runner, device):
+        self.config, self.allocator, self.req_to_token = config, allocator, req_to_token
+        self.runner, self.device = runner, device
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.num_preemptions = 0
+        self._prefilled_last = False   # speculative: the last step was a prefill
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort(self, req: Req) -> None:
+        """Stop a request between steps (a client went away) and free its KV and row."""
+        if req.finished:
+            return
+        req.finish_reason = "abort"
+        if req in self.waiting:
+            self.waiting.remove(req)
+            self.release(req)     # a preempted request holds nothing; a fresh one neither
+        elif req in self.running:
+            self.finish(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        self._admit()
+        if not self.runner.separate_decode:
+            return self._plan_extend(self._chunk(list(self.running)))
+        fresh = [r for r in self.running if not self.runner.can_decode(r)]
+        ready = len(fresh) < len(self.running)
+        if fresh and not (ready and self._prefilled_last):
+            self._prefilled_last = True    # prefill and decode steps alternate
+            return self._plan_extend(self._chunk(fresh))
+        self._prefilled_last = False
+        self._reserve()
+        return StepPlan("decode", [r for r in self.running if self.runner.can_decode(r)])
+
+    def commit(self, plan: StepPlan, result: StepResult) -> list[Req]:
+        if result.free_slots is not None and result.free_slots.numel():
+            self.allocator.free(result.free_slots)
+        for i, r in enumerate(plan.reqs):
+            if result.failed[i]:            # its distribution was unusable: it fails alone
+                r.fail_sampling()
+                continue
+            if result.kv_advance is not None:
+                r.kv_len += result.kv_advance[i]
+                r.last_slot = result.last_slots[i]
+            if result.accepted is not None:
+                self._count(r, result.accepted[i], result.draft_tokens)
+            if result.tokens[i] is not None:
+                r.append_tokens(result.tokens[i], result.logprobs[i])
+        for r in plan.reqs:
+            if r.finished and r in self.running:
+                self.finish(r)
+        return plan.reqs
+
+    def fail(self, plan: StepPlan) -> None:
+        """The step hit a KVIndexError: only its requests fail; the engine keeps serving."""
+        for r in plan.reqs:
+            r.finish_reason = "error"
+            self.finish(r, after_error=True)
+        self._reclaim_orphans()
+
+    @staticmethod
+    def _count(req: Req, accepted: int, draft_tokens: int) -> None:
+        st = req.spec_stats
+        st.verify_steps += 1
+        st.draft_tokens += draft_tokens
+        st.accepted_tokens += accepted
+        st.accept_histogram[accepted + 1] = st.accept_histogram.get(accepted + 1, 0) + 1
+
+    # ---- admission ------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Fill free rows from `waiting` in the fairness order (fairness.py); stop at the first
+        request chosen that does not fit in the KV pool beside the running ones' next steps."""
+        ps = self.config.page_size
+        per_group = Counter(r.group for r in self.running)
+        while self.waiting and self.req_to_token.free_rows:
+            i = next_to_admit(self.waiting, per_group)
+            req = self.waiting[i]
+            need = self.allocator.pages_needed(0, len(req.pending_ids)) * ps
+            # room for each running request's next step: one token, or a speculative step
+            headroom = ps * sum(self.runner.step_pages(r.kv_len) for r in self.running)
+            if self.running and self.allocator.available_slots() < need + headroom:
+                return
+            del self.waiting[i]
+            req.preempted = False
+            req.row = self.req_to_token.alloc()
+            self.running.append(req)
+            per_group[req.group] += 1
+
+    # ---- extend plans ---------------------------------------------------------------------------
+    def _chunk(self, reqs: list[Req]) -> list[tuple[Req, int]]:
+        """How many of its pending tokens each request extends by this step. Chunked prefill:
+        every decode (one pending token) goes in, then the prefills share what is left of
+        `chunked_prefill_size` tokens max-min fairly (fairness.prefill_shares); a prompt
+        longer than its share is prefilled over several steps, the decodes keep running."""
+        limit = self.config.chunked_prefill_size
+        pending = [len(r.pending_ids) for r in reqs]
+        if limit is None:
+            return list(zip(reqs, pending))
+        prefills = [i for i, n in enumerate(pending) if n > 1]
+        shares = prefill_shares([pending[i] for i in prefills],
+                                limit - (len(reqs) - len(prefills)))
+        for i, n in zip(prefills, shares):
+            pending[i] = n
+        return [(r, n) for r, n in zip(reqs, pending) if n]
+
+    def _plan_extend(self, takes: list[tuple[Req, int]]) -> StepPlan:
+        """Slots for each request's next `n` pending tokens, written into req_to_token; the
+        plan holds those still running (allocation may preempt). A request has all its
+        tokens in the cache (and samples) when `req.kv_len == len(req.all_ids)`."""
+        planned = []
+        for req, n in takes:
+            if req not in self.running:  # preempted to make room for an earlier one
+                continue
+            ids, prefix = req.pending_ids[:n], req.kv_len
+            s = self._alloc_extend(req, len(ids))
+            self.req_to_token.req_to_token[req.row, prefix:prefix + len(ids)] = s.to(
+                self.device, torch.int32)
+            req.kv_len, req.last_slot = prefix + len(ids), int(s[-1])  # owned from here on
+            planned.append((req, ids, prefix, s))
+        planned = [p for p in planned if p[0] in self.running]
+        return StepPlan("extend", [p[0] for p in planned], ids=[p[1] for p in planned],
+                        prefix_lens=[p[2] for p in planned], slots=[p[3] for p in planned])
+
+    def _alloc_extend(self, req: Req, n: int) -> torch.Tensor:
+        while True:
+            try:
+                return self.allocator.alloc(n, req.kv_len, req.last_slot)
+            except OutOfKVMemoryError:
+                victims = [r for r in self.running if r is not req]
+                if not victims:
+                    raise
+                self.preempt(victims[-1])
+
+    def _reserve(self) -> None:
+        """Make sure every running request's decode step fits: preempt the newest until the
+        free pages cover the sum of their peaks, so no allocation inside the step can fail."""
+        while len(self.running) > 1 and (sum(self.runner.step_pages(r.kv_len)
+                                             for r in self.running)
+                                         > self.allocator.free_pages):
+            self.preempt(self.running[-1])
+
+    # ---- freeing ---------------------------------------------------------------------------------
+    def release(self, req: Req, after_error: bool = False) -> None:
+        req.draft_state = None
+        if req.kv_len:
+            slots = self.req_to_token.req_to_token[req.row, :req.kv_len].to(torch.int64)
+            if after_error:  # a corrupted entry was never handed out: free only real slots
+                lo, hi = self.config.page_size, self.allocator.size + self.config.page_size
+                slots = slots[(slots >= lo) & (slots < hi)]
+            self.allocator.free(slots)
+        if req.row:
+            self.req_to_token.free(req.row)
+        req.row, req.kv_len, req.last_slot = 0, 0, -1
+
+    def preempt(self, victim: Req) -> None:
+        """Free a request's KV and queue it first; it is recomputed when it comes back."""
+        self.release(victim)
+        self.running.remove(victim)
+        victim.preempted = True
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+
+    def finish(self, req: Req, after_error: bool = False) -> None:
+        self.release(req, after_error)
+        if req in self.running:
+            self.running.remove(req)
+
+    def _reclaim_orphans(self) -> None:
+        """After a corrupted batch: free every slot in use that no live request references
+        (a slot whose req_to_token entry was overwritten would otherwise leak)."""
+        used = self.allocator.used_slots()
+        live = [self.req_to_token.req_to_token[r.row, :r.kv_len].to(torch.int64).cpu()
+                for r in self.running]
+        referenced = torch.cat(live) if live else used[:0]
+        orphans = used[~torch.isin(used, referenced)]
+        self.allocator.free(orphans)
