@@ -1,10 +1,11 @@
 """Every error the server answers has the OpenAI shape
 `{"error": {"message", "type", "param", "code"}}`, FastAPI's own (404 unknown route, 405 wrong
 method, a body that is not JSON) included: one handler per kind of exception, installed by
-`install_error_handlers`."""
+`install_error_handlers`; `answers_500` turns a route's unexpected exception into a 500."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from fastapi import FastAPI, Request
@@ -63,6 +64,22 @@ def _validation_message(err: dict) -> tuple[str, str | None]:
         ctx = err.get("ctx") or {}
         return f"the body is not valid JSON: {ctx.get('error', err.get('msg'))}", None
     return f"{where}: {err.get('msg')}", loc[0] if loc else None
+
+
+def answers_500(route):
+    """Any unexpected exception of a route becomes an OpenAI-style 500 here. (Starlette's
+    catch-all handler re-raises after answering, and the connection may be reset before the
+    client reads the body.) The known errors go on to their own handlers."""
+    @functools.wraps(route)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await route(*args, **kwargs)
+        except (EaglekvError, RequestRefused, ModelNotFound):
+            raise
+        except Exception as e:  # noqa: BLE001
+            log.exception("request failed")
+            return error_body(500, f"{type(e).__name__}: {e}")
+    return wrapper
 
 
 def install_error_handlers(app: FastAPI) -> None:
