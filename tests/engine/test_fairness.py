@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import tiny_engine
 from eaglekv import SamplingParams
 from eaglekv.engine.fairness import next_to_admit, prefill_shares
+from helpers import tiny_engine
 
 rng = random.Random(0)
 LONG = [rng.randrange(256) for _ in range(200)]

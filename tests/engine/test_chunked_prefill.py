@@ -10,11 +10,9 @@ import random
 import pytest
 import torch
 
-from conftest import tiny_engine
 from eaglekv import SamplingParams
 from eaglekv.errors import ConfigError
-from test_spec_engine import fresh_kv
-from test_spec_families import deep_dir, spec  # noqa: F401  (deep_dir is a fixture)
+from helpers import fresh_kv, spec, tiny_engine
 
 rng = random.Random(0)
 LONG = [[rng.randrange(256) for _ in range(n)] for n in (90, 3, 57, 130)]

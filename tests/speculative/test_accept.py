@@ -13,6 +13,7 @@ import torch
 from eaglekv.core import VerifyResult
 from eaglekv.speculative.accept import greedy_accept, sample_accept
 from eaglekv.speculative.tree import build_tree, chain_tree, organize
+from helpers import random_pool      # the candidate-pool generator of the tree tests
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -341,8 +342,6 @@ def test_statistical_test_catches_wrong_chain_rule(name):
 def test_pipeline_has_no_host_sync_and_replays_in_a_cuda_graph():
     """organize -> build_tree -> greedy_accept / sample_accept: no sync (sync debug mode
     "error"), and a captured CUDA graph replays to the eager result."""
-    from test_tree import random_pool      # the candidate-pool generator of the tree tests
-
     rng, g = random.Random(0), torch.Generator().manual_seed(0)
     B, K, S, N, V = 4, 3, 3, 10, 40
     toks, scores, parents, roots = random_pool(rng, B, K, S)

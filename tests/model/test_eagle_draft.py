@@ -6,20 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from conftest import make_tiny
-from draft_helpers import DraftRunner, gather, target_embed_head
+from draft_helpers import DraftRunner, gather, reference_forward, target_embed_head
 from eaglekv.errors import ModelLoadError
 from eaglekv.model.llama import LlamaForCausalLM
 from eaglekv.model.loader import load_hf_dir
 from eaglekv.model.draft_checkpoint import (EagleDraftConfig, load_eagle_draft, random_eagle_draft,
                                        save_eagle_draft)
 from eaglekv.model.eagle import EagleDraftModel
+from helpers import make_tiny
 
 TARGETS = {
     "untied": {},
@@ -36,44 +34,6 @@ def target(request, tmp_path_factory):
     make_tiny(path, **TARGETS[request.param])
     cfg, sd = load_hf_dir(path)
     return LlamaForCausalLM(cfg, sd, torch.float32), sd
-
-
-# ---- the reference: the published module in plain torch (HF rotate-half RoPE) ------------------
-def reference_forward(cfg_dict, sd, embed_w, head_w, ids, hidden):
-    """Full causal attention over the whole sequence; returns (logits (T, V), g (T, H))."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
-    H, nh = cfg_dict["hidden_size"], cfg_dict["num_attention_heads"]
-    nkv, eps = cfg_dict["num_key_value_heads"], cfg_dict["rms_norm_eps"]
-    D = cfg_dict.get("head_dim") or H // nh
-    T = len(ids)
-    p = "layers.0."
-
-    def norm(x, w):
-        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-    x = F.linear(torch.cat([embed_w[ids], hidden], -1), sd["fc.weight"], sd.get("fc.bias"))
-    h = norm(x, sd[p + "input_layernorm.weight"]) if p + "input_layernorm.weight" in sd else x
-    q = F.linear(h, sd[p + "self_attn.q_proj.weight"], sd.get(p + "self_attn.q_proj.bias"))
-    k = F.linear(h, sd[p + "self_attn.k_proj.weight"], sd.get(p + "self_attn.k_proj.bias"))
-    v = F.linear(h, sd[p + "self_attn.v_proj.weight"], sd.get(p + "self_attn.v_proj.bias"))
-    q = q.view(1, T, nh, D).transpose(1, 2)        # (1, nh, T, D)
-    k = k.view(1, T, nkv, D).transpose(1, 2)       # (1, nkv, T, D)
-    v = v.view(1, T, nkv, D).transpose(1, 2)
-    rope = LlamaRotaryEmbedding(LlamaConfig(**{k_: v_ for k_, v_ in cfg_dict.items()
-                                               if k_ not in ("model_type", "architectures")}))
-    cos, sin = rope(v, torch.arange(T)[None])
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(D)                       # (1, nh, T, T)
-    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
-    attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(T, nh * D)
-    r = x + F.linear(attn, sd[p + "self_attn.o_proj.weight"])
-    m = norm(r, sd[p + "post_attention_layernorm.weight"])
-    mlp = F.linear(F.silu(F.linear(m, sd[p + "mlp.gate_proj.weight"]))
-                   * F.linear(m, sd[p + "mlp.up_proj.weight"]), sd[p + "mlp.down_proj.weight"])
-    g = r + mlp
-    return g @ head_w.T, g
 
 
 # ---- paged runs --------------------------------------------------------------------------------

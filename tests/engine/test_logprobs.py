@@ -8,12 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_engine
 from eaglekv import SamplingParams
 from eaglekv.errors import ConfigError
 from eaglekv.speculative.drafter import ScriptedDrafter
-from test_spec_engine import PROMPTS, oracle
-from test_spec_families import deep_dir, spec  # noqa: F401  (deep_dir is a fixture)
+from helpers import PROMPTS, oracle, spec, tiny_engine
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import tiny_engine
 from eaglekv import SamplingParams
-from test_spec_families import deep_dir, spec  # noqa: F401  (deep_dir is a fixture)
+from helpers import spec, tiny_engine
 
 MAX_NEW = 32
 SEEDS = [0, 1, 2]

@@ -8,27 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny, tiny_engine
 from eaglekv import SamplingParams
 from eaglekv.core import ForwardBatch
 from eaglekv.errors import ConfigError
 from eaglekv.speculative.drafter import ScriptedDrafter
-from test_spec_engine import PROMPTS, expected_accepts, fresh_kv, oracle
-
-import test_spec_sampling as sampling
-
-
-@pytest.fixture(scope="module")
-def deep_dir(tmp_path_factory):
-    """8 layers, so EAGLE-3's captured layers (1, L//2 - 1, L - 4) = (1, 3, 4) are distinct."""
-    path = tmp_path_factory.mktemp("tiny_deep")
-    make_tiny(path, num_hidden_layers=8, seed=3)
-    return path
-
-
-def spec(alg, S=3, K=1, N=None, draft="random"):
-    return dict(algorithm=alg, draft_model=draft, num_steps=S, topk=K,
-                num_draft_tokens=N or S + 1)
+from helpers import PROMPTS, expected_accepts, fresh_kv, oracle, spec, tiny_engine
+import sampling_helpers as sampling
 
 
 FAMILIES = [("eagle3", 3, 1, 4), ("eagle3", 3, 2, 6), ("eagle3", 5, 4, 12),

@@ -7,12 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_engine
 from eaglekv import SamplingParams
 from eaglekv.core import ForwardBatch
 from eaglekv.speculative.drafter import ScriptedDrafter
-
-PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 47)), [100, 3, 100, 3]]
+from helpers import PROMPTS, expected_accepts, fresh_kv, oracle, tiny_engine
 
 
 def spec_engine(tiny_dir, S=3, K=1, N=None, ps=1, drafter=None, **options):
@@ -28,20 +26,6 @@ def reference(tiny_dir):
     eng = tiny_engine(tiny_dir, max_running_requests=4)
     outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=64, ignore_eos=True))
     return [o.token_ids for o in outs]
-
-
-def oracle(prompts, refs, wrong=lambda j: False, topk=1):
-    """propose(context): the reference's next token (or a wrong one where wrong(j) for output
-    index j), then topk - 1 other tokens."""
-    def propose(ctx):
-        for p, r in zip(prompts, refs):
-            n = len(ctx) - len(p)
-            if n >= 0 and ctx[:len(p)] == p and ctx[len(p):] == r[:n] and n < len(r):
-                tok = r[n]
-                first = (tok + 1) % 256 if wrong(n) else tok
-                return [first] + [(tok + 2 + i) % 256 for i in range(topk - 1)]
-        return [0]
-    return propose
 
 
 @pytest.mark.parametrize("S,K,N", [(1, 1, 2), (3, 1, 4), (5, 1, 6), (3, 2, 4), (3, 2, 6),
@@ -74,18 +58,6 @@ def test_batch1_and_staggered_arrivals(tiny_dir, reference):
         assert r.output_ids == ref[:r.params.max_new_tokens]
     eng.check_memory()
     assert eng.allocator.is_full()
-
-
-def expected_accepts(ref_len_needed, S, wrong, max_new):
-    """Simulate a chain script: the root is output index r; depth d proposes index r + d."""
-    accepts, r = [], 0   # output[0] comes from prefill
-    while r + 1 < max_new:
-        a = 0
-        while a < S and not wrong(r + a + 1):
-            a += 1
-        accepts.append(a)
-        r += a + 1
-    return accepts
 
 
 @pytest.mark.parametrize("S", [1, 3, 5])
@@ -121,21 +93,6 @@ def test_scripted_tree_full_acceptance(tiny_dir, reference, K, N, ps):
         assert o.spec.accept_histogram == {S + 1: 6}
     assert eng.spec_stats().verify_steps == 6 * len(PROMPTS)
     eng.check_memory()
-
-
-def fresh_kv(model, ids, device="cpu"):
-    """Target K/V (per layer) and hidden states of a fresh prefill of `ids` on its own pool."""
-    from eaglekv.attention import TorchAttentionBackend
-    from eaglekv.memory import KVPool, ReqToTokenPool
-    cfg = model.cfg
-    n = len(ids)
-    pool = KVPool(n + 1, 1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    r2t = ReqToTokenPool(1, n + 1)
-    slots = torch.arange(1, n + 1)
-    r2t.req_to_token[1, :n] = slots.to(torch.int32)
-    batch = ForwardBatch.build([ids], [0], [1], slots)
-    out = model.forward(batch, TorchAttentionBackend(pool, r2t), return_hidden=True)
-    return pool, slots, out.hidden, r2t, batch
 
 
 @pytest.mark.parametrize("K,N,ps", [(1, 4, 1), (2, 6, 4), (4, 10, 16)])
@@ -210,9 +167,9 @@ def test_int32_budget_checked_at_startup(tiny_dir):
 
 
 def test_draft_must_match_target(tiny_dir, tmp_path):
-    from conftest import make_tiny
     from eaglekv.errors import ModelLoadError
     from eaglekv.model.draft_checkpoint import random_eagle_draft, save_eagle_draft
+    from helpers import make_tiny
     other = tmp_path / "wide"
     make_tiny(other, hidden_size=96)
     eng = tiny_engine(other)

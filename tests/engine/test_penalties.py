@@ -9,14 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_engine
 from eaglekv import SamplingParams
 from eaglekv.sampling import target_probs
 from eaglekv.errors import ConfigError
 from eaglekv.speculative.drafter import ScriptedDrafter
-from test_spec_engine import PROMPTS, oracle
-from test_spec_families import deep_dir, spec  # noqa: F401  (deep_dir is a fixture)
-import test_spec_sampling as sampling
+from helpers import PROMPTS, oracle, spec, tiny_engine
+import sampling_helpers as sampling
 
 PENALTIES = [dict(repetition_penalty=1.4), dict(presence_penalty=1.5),
              dict(frequency_penalty=0.9), dict(repetition_penalty=0.8, presence_penalty=-0.5,

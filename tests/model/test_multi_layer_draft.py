@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_tiny
 from draft_helpers import DraftRunner, gather, target_embed_head
 from eaglekv.errors import ModelLoadError
 from eaglekv.model.llama import LlamaForCausalLM
@@ -20,6 +19,7 @@ from eaglekv.model.draft_checkpoint import random_eagle_draft, save_eagle_draft
 from eaglekv.model.multi_layer_eagle import (MultiLayerDraftConfig, MultiLayerDraftModel,
                                             load_multi_layer_draft, random_multi_layer_draft,
                                             save_multi_layer_draft)
+from helpers import make_tiny
 
 TARGETS = {
     "untied": {},

@@ -10,41 +10,9 @@ import torch
 
 from eaglekv.errors import ConfigError
 from eaglekv.speculative.tree import TreeError, build_tree, chain_tree, check_tree, organize
+from helpers import random_pool
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-V = 40
-
-
-def random_pool(rng: random.Random, B: int, K: int, S: int, coarse: bool = True):
-    """Candidate pools laid out as the drafter writes them (step-major, see spec/tree.py).
-
-    Child log-probs on a coarse grid (many exact ties, 0.0 = a child tying its parent) when
-    `coarse`; siblings carry distinct tokens; step i's K branches are the best K of step i-1.
-    Returns python lists tokens, scores, parents (B x M) and roots (B)."""
-    M = K + (S - 1) * K * K
-    toks, scores, parents = [], [], []
-    for _ in range(B):
-        tok, sc, par = [0] * M, [0.0] * M, [-1] * M
-
-        def children(base, parent_idx, parent_score):
-            lp = sorted(((-0.5 * rng.randint(0, 3)) if coarse else -rng.random() * 3
-                         for _ in range(K)), reverse=True)
-            for c, (t, l) in enumerate(zip(rng.sample(range(V), K), lp)):
-                tok[base + c], sc[base + c], par[base + c] = t, parent_score + l, parent_idx
-
-        children(0, -1, 0.0)
-        branches = list(range(K))
-        for i in range(1, S):
-            base = K + (i - 1) * K * K
-            for t, b in enumerate(branches):
-                children(base + t * K, b, sc[b])
-            step = range(base, base + K * K)
-            branches = sorted(step, key=lambda m: (-sc[m], m))[:K]
-        toks.append(tok)
-        scores.append(sc)
-        parents.append(par)
-    roots = [rng.randrange(V) for _ in range(B)]
-    return toks, scores, parents, roots
 
 
 def naive_select(scores: list[float], n1: int) -> list[int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import forward_chunks, make_tiny, tiny_engine
+from helpers import forward_chunks, make_tiny, tiny_engine
 
 ARCHS = {
     "llama": ("llama", {}),

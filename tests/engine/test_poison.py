@@ -15,11 +15,11 @@ import re
 import pytest
 import torch
 
-from conftest import tiny_engine
 from eaglekv import SamplingParams
 from eaglekv.config import FP32_TINY
 from eaglekv.sampling import apply_penalties, sample_next, target_probs, valid_probs
 from eaglekv.errors import ConfigError, RequestFailed
+from helpers import tiny_engine
 
 EXTREMES = [1e-40, 1e-300, 1e300, math.inf, -math.inf, math.nan, -0.0, 5e-324]
 ERR = "refused"

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_tiny
 from draft_helpers import DraftRunner, gather
 from eaglekv.attention import TorchAttentionBackend
 from eaglekv.errors import ModelLoadError
@@ -23,6 +22,7 @@ from eaglekv.model.draft_checkpoint import load_eagle_draft, random_eagle_draft,
 from eaglekv.model.eagle3 import Eagle3DraftModel
 from eaglekv.model.eagle3_checkpoint import (Eagle3DraftConfig, load_eagle3_draft, random_eagle3_draft,
                                         save_eagle3_draft)
+from helpers import make_tiny
 
 VD = 40  # draft vocabulary of the tiny heads (target vocabulary 256)
 TARGETS = {  # 8 layers: the default aux layers (1, L//2 - 1, L - 4) need L >= 7

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_engine
 from eaglekv import KVIndexError, SamplingParams
+from helpers import tiny_engine
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -60,14 +60,6 @@ def test_gpu_spec_bad_slot_fails_batch_then_serves(tiny_dir):
     assert eng.generate([PROMPTS[1]], sp)[0].token_ids == ref
     eng.check_memory()
     assert eng.allocator.is_full()
-
-
-@pytest.fixture(scope="module")
-def deep_dir(tmp_path_factory):
-    from conftest import make_tiny
-    path = tmp_path_factory.mktemp("tiny_deep_gpu")
-    make_tiny(path, num_hidden_layers=8, seed=3)
-    return path
 
 
 @pytest.mark.parametrize("alg,S,K,N,ps", [("eagle3", 3, 1, 4, 1), ("eagle3", 3, 2, 6, 16),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import hf_greedy
 from eaglekv import SamplingParams
+from helpers import hf_greedy
 
 PROMPTS = [
     "The capital of France is",

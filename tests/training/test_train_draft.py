@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import make_tiny
+from draft_helpers import reference_forward
 from eaglekv.model.draft_checkpoint import expected_tensors, load_eagle_draft, save_eagle_draft
 from eaglekv.training.data import extract_features, generate, load_target
 from eaglekv.training.eval import chain_accept
@@ -17,7 +17,7 @@ from eaglekv.training.head import head_for_target
 from eaglekv.training.loop import train
 from eaglekv.training.loss import step_loss, target_embed_head
 from eaglekv.training.prompts import build_prompts
-from test_eagle_draft import reference_forward
+from helpers import make_tiny
 
 
 @pytest.fixture(scope="module")

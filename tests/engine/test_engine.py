@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_engine
 from eaglekv import ConfigError, KVIndexError, ModelLoadError, RequestError, SamplingParams
 from eaglekv.core import ForwardBatch
+from helpers import tiny_engine
 
 PROMPTS = [[5, 17, 42], list(range(1, 30)), [200, 3, 9, 9, 1, 77, 250], [11] * 12,
            list(range(100, 160, 3)), [7]]
