@@ -26,8 +26,8 @@ from eaglekv.model import LlamaForCausalLM
 from eaglekv.model.llama import cpu_blas_threads
 from eaglekv.model.loader import load_checkpoint
 from eaglekv.runner import ModelRunner, RunnerResources
-from eaglekv.speculative.factory import build_runner, draft_bytes_per_slot, extra_columns, load_draft
-from eaglekv.speculative.slots import kv_indices_width
+from eaglekv.speculative.factory import build_runner, draft_bytes_per_slot, load_draft
+from eaglekv.speculative.slots import extra_columns, kv_indices_width
 
 Prompt = str | Sequence[int]
 

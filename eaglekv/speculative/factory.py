@@ -18,7 +18,6 @@ import torch
 
 from eaglekv.config import SpecConfig
 from eaglekv.errors import ConfigError
-from eaglekv.kernels.draft_kv_indices import draft_region_extra
 from eaglekv.memory import KVPool
 from eaglekv.model.config import ModelConfig
 from eaglekv.model.draft_checkpoint import EagleDraftConfig, load_eagle_draft, random_eagle_draft
@@ -135,9 +134,3 @@ def draft_bytes_per_slot(ckpt: DraftCheckpoint | None, dtype: torch.dtype) -> in
     if ckpt is None:
         return 0
     return ckpt.num_pools * KVPool.bytes_per_slot(*ckpt.config.kv_shape, dtype)
-
-
-def extra_columns(spec: SpecConfig, page_size: int) -> int:
-    """req_to_token columns past max_context_len for the draft regions and the verify window."""
-    return max(draft_region_extra(spec.topk, spec.num_steps, page_size),
-               spec.num_draft_tokens) + page_size + spec.num_steps

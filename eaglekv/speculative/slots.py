@@ -1,4 +1,6 @@
-"""KV slots of one EAGLE step: the draft's temporary slots and the verify window.
+"""KV slots of one EAGLE step: the draft's temporary slots and the verify window. The whole
+geometry of a speculative step lives here: the req_to_token columns it needs past the
+context (`extra_columns`), the kv_indices width (guard 2) and a request's peak pages.
 
 Draft slots follow DESIGN.md "Draft KV indices": ps == 1 or K == 1, branch t's draft token s
 sits at position L_b + t*S + s of the request's req_to_token row; ps > 1 with K > 1, every
@@ -19,7 +21,13 @@ from __future__ import annotations
 import torch
 
 from eaglekv.kernels.draft_kv_indices import (assign_draft_cache_locs, draft_kv_indices_buffer_width,
-                                     generate_draft_decode_kv_indices)
+                                              draft_region_extra, generate_draft_decode_kv_indices)
+
+
+def extra_columns(spec, page_size: int) -> int:
+    """req_to_token columns past max_context_len for the draft regions and the verify window."""
+    return max(draft_region_extra(spec.topk, spec.num_steps, page_size),
+               spec.num_draft_tokens) + page_size + spec.num_steps
 
 
 def kv_indices_width(spec, max_running_requests: int, max_context_len: int) -> int:
