@@ -1,0 +1,303 @@
+"""Triton paged attention: split-K decode and extend (causal or tree mask); references and
+argument checks in `attention.py`.
+
+Keys of sequence b are the slots `table[kv_start[b] + j]`, j < kv_len[b] (decode) or
+j < prefix_len[b] + extend_len[b] (extend). Every slot is checked against `[0, size_limit)`
+before it becomes an address: a bad one reads nothing (its key is masked out) and is recorded
+in the device error buffer of `eaglekv.kernels.guard`, keyed `call_id * 2**32 + flat table
+position`, by exactly one program (each key counts once). A table position outside
+`[0, table.numel())` is never read either (the key is masked; kv_start/kv_len are the
+caller's metadata, not table contents, so it is not reported), nor an extend query row
+outside `[0, T)` of q / out.
+
+Graph-ready: no host sync (outside a guard step `guard.after_launch()` checks at once, as in
+`store_cache`), no device value read on the host; grids and scratch shapes come from host
+ints. Softmax runs in fp32 in base 2: `p = 2**(s*scale*log2(e) - m)`, so `lse2 = m + log2(l)`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from eaglekv.kernels.guard import kv_guard
+
+_BIG = tl.constexpr(2**62)      # larger than any flat table position: neutral for min
+_NEG = tl.constexpr(-1.0e30)    # running max before any visible key (finite: no inf - inf)
+_LOG2E = 1.4426950408889634
+_MAX_CALL_ID = 2**31 - 1        # call_id is passed as i32
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _record(err_ptr, nbad, first, key_base):
+    """err[0] += sum(nbad); err[1] = min(err[1], key_base + min(first)) (only if any bad)."""
+    n = tl.sum(nbad.to(tl.int64), axis=0)
+    if n > 0:
+        tl.atomic_add(err_ptr, n, sem="relaxed")
+        tl.atomic_min(err_ptr + 1, key_base + tl.min(first, axis=0), sem="relaxed")
+
+
+@triton.jit
+def _load_slots(table_ptr, base, j, live, n_table, size_limit, report):
+    """Slots `table[base + j]` for the live lanes (BLOCK_N,): returns (slot or 0, ok, bad,
+    tpos); `bad` marks the lanes this program reports (`report`: a (BLOCK_N,) bool)."""
+    tpos = base + j                                                    # (BLOCK_N,) int64
+    in_table = live & (tpos >= 0) & (tpos < n_table)
+    slot = tl.load(table_ptr + tpos, mask=in_table, other=0).to(tl.int64)
+    ok = in_table & (slot >= 0) & (slot < size_limit)
+    bad = in_table & (~ok) & report
+    return tl.where(ok, slot, 0), ok, bad, tpos
+
+
+@triton.jit
+def _attend(q, k_ptr, v_ptr, slot, ok, visible, kvh, k_s0, k_s1, v_s0, v_s1, d, dmask,
+            m_i, l_i, acc, qk_scale, F32DOT: tl.constexpr):
+    """One key tile, online softmax. q (M, DP); slot/ok (N,); visible (M, N) or (1, N).
+    Offsets are int64: slot * row stride passes 2**31 on large pools."""
+    kv_mask = ok[:, None] & dmask[None, :]                             # (N, DP)
+    k = tl.load(k_ptr + slot[:, None] * k_s0 + kvh * k_s1 + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + slot[:, None] * v_s0 + kvh * v_s1 + d[None, :], mask=kv_mask, other=0.0)
+    if F32DOT:   # fp32 products, not tf32 (fp32 inputs; bf16 under the interpreter)
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(visible & ok[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))                              # (M,) >= _NEG, finite
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])                                    # 0 where not visible
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if F32DOT:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit(do_not_specialize=["call_id", "size_limit", "n_table"])
+def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, mid_o_ptr,
+                   mid_lse_ptr, err_ptr, call_id, size_limit, n_table, qk_scale,
+                   q_s0, q_s1, q_s2, o_s0, o_s1, o_s2, k_s0, k_s1, v_s0, v_s1,
+                   H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                   DP: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                   F32DOT: tl.constexpr):
+    """Program (b, kv head, split): the G query heads of one kv head (rows padded to GP) over
+    keys [lo, hi), lo = split * chunk, hi = min(lo + chunk, kv_len), chunk = cdiv(kv_len,
+    SPLITS). SPLITS == 1 writes the output; else the partial output o = acc / l and
+    lse2 = m + log2(l) (-inf for an empty split) go to mid_o (B, H, SPLITS, DP) and
+    mid_lse (B, H, SPLITS). Bad slots are reported by kv head 0 (each key is in one split)."""
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2).to(tl.int64)
+    kv_len = tl.load(len_ptr + b).to(tl.int64)
+    base = tl.load(start_ptr + b).to(tl.int64)
+    chunk = (kv_len + SPLITS - 1) // SPLITS
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, kv_len)
+    g = tl.arange(0, GP)
+    h = kvh * G + g                                                    # (GP,) query heads
+    hmask = g < G
+    d = tl.arange(0, DP)
+    dmask = d < D
+    q = tl.load(q_ptr + b * q_s0 + h[:, None] * q_s1 + d[None, :] * q_s2,
+                mask=hmask[:, None] & dmask[None, :], other=0.0)       # (GP, DP)
+    m_i = tl.full([GP], _NEG, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
+    report = (tl.zeros([BLOCK_N], tl.int32) + (kvh == 0).to(tl.int32)) != 0
+    nbad = tl.zeros([BLOCK_N], tl.int32)
+    first = tl.full([BLOCK_N], _BIG, tl.int64)
+    every = tl.full([1, BLOCK_N], 1, tl.int1)                          # no causal mask
+    for n0 in range(lo, hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)                    # (BLOCK_N,) key index
+        slot, ok, bad, tpos = _load_slots(table_ptr, base, j, j < hi, n_table, size_limit,
+                                          report)
+        nbad += bad.to(tl.int32)
+        first = tl.minimum(first, tl.where(bad, tpos, _BIG))
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, ok, every, kvh, k_s0, k_s1, v_s0, v_s1,
+                                d, dmask, m_i, l_i, acc, qk_scale, F32DOT)
+    _record(err_ptr, nbad, first, call_id.to(tl.int64) << 32)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                     # empty: acc = 0 -> 0
+    if SPLITS == 1:
+        tl.store(out_ptr + b * o_s0 + h[:, None] * o_s1 + d[None, :] * o_s2,
+                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+    else:
+        row = (b * H + h) * SPLITS + sp                                # (GP,) into (B, H, S)
+        tl.store(mid_o_ptr + row[:, None] * DP + d[None, :], o, mask=hmask[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(mid_lse_ptr + row, lse, mask=hmask)
+
+
+@triton.jit
+def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, o_s0, o_s1, o_s2, H: tl.constexpr,
+                  D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+    """Program (b, h): out = sum_s w_s o_s / sum_s w_s, w_s = 2**(lse2_s - max lse2); empty
+    splits (lse2 = -inf) weigh 0, and a sequence with no keys gets zeros."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    s = tl.arange(0, SP)
+    smask = s < SPLITS
+    d = tl.arange(0, DP)
+    row = (b * H + h) * SPLITS + s                                     # (SP,)
+    lse = tl.load(mid_lse_ptr + row, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)                                               # (SP,) 0 if empty
+    o = tl.load(mid_o_ptr + row[:, None] * DP + d[None, :], mask=smask[:, None], other=0.0)
+    den = tl.sum(w, 0)
+    num = tl.sum(w[:, None] * o, 0)                                    # (DP,)
+    res = num / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + b * o_s0 + h * o_s1 + d * o_s2, res.to(out_ptr.dtype.element_ty),
+             mask=d < D)
+
+
+@triton.jit(do_not_specialize=["call_id", "size_limit", "n_table", "n_mask", "n_q"])
+def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_ptr, ext_ptr,
+                   qstart_ptr, mask_ptr, err_ptr, call_id, size_limit, n_table, qk_scale,
+                   q_s0, q_s1, q_s2, o_s0, o_s1, o_s2, k_s0, k_s1, v_s0, v_s1,
+                   m_s0, m_s1, m_s2, n_mask, n_q,
+                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CUSTOM: tl.constexpr,
+                   F32DOT: tl.constexpr):
+    """Program (b, query block, kv head): rows r = (t, g) of BLOCK_M queries x GP heads.
+    Query t sits at position prefix + t and sees keys pos < prefix, and window keys
+    j = pos - prefix (j < extend_len) with j <= t (causal) or mask[b, t, j] | (j == t).
+    Bad slots are reported by kv head 0 of the request's last query block, which reads
+    every key pos < prefix + extend_len."""
+    b = tl.program_id(0).to(tl.int64)
+    mb = tl.program_id(1).to(tl.int64)
+    kvh = tl.program_id(2).to(tl.int64)
+    ext = tl.load(ext_ptr + b).to(tl.int64)
+    if mb * BLOCK_M >= ext:
+        return
+    prefix = tl.load(prefix_ptr + b).to(tl.int64)
+    base = tl.load(start_ptr + b).to(tl.int64)
+    q0 = tl.load(qstart_ptr + b).to(tl.int64)
+    r = tl.arange(0, BLOCK_M * GP)
+    t = mb * BLOCK_M + r // GP                                         # (M,) query in request
+    g = r % GP
+    h = kvh * G + g
+    rows_in_q = (q0 + t >= 0) & (q0 + t < n_q)                         # bad q_start: no access
+    rmask = (t < ext) & (g < G) & rows_in_q
+    d = tl.arange(0, DP)
+    dmask = d < D
+    q = tl.load(q_ptr + (q0 + t)[:, None] * q_s0 + h[:, None] * q_s1 + d[None, :] * q_s2,
+                mask=rmask[:, None] & dmask[None, :], other=0.0)       # (M, DP)
+    m_i = tl.full([BLOCK_M * GP], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M * GP], tl.float32)
+    acc = tl.zeros([BLOCK_M * GP, DP], tl.float32)
+    is_rep = (kvh == 0) & (mb == (ext - 1) // BLOCK_M)
+    report = (tl.zeros([BLOCK_N], tl.int32) + is_rep.to(tl.int32)) != 0
+    nbad = tl.zeros([BLOCK_N], tl.int32)
+    first = tl.full([BLOCK_N], _BIG, tl.int64)
+    every = tl.full([1, BLOCK_N], 1, tl.int1)
+    # 1. the cached prefix: visible to every query
+    for n0 in range(0, prefix, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        slot, ok, bad, tpos = _load_slots(table_ptr, base, j, j < prefix, n_table, size_limit,
+                                          report)
+        nbad += bad.to(tl.int32)
+        first = tl.minimum(first, tl.where(bad, tpos, _BIG))
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, ok, every, kvh, k_s0, k_s1, v_s0, v_s1,
+                                d, dmask, m_i, l_i, acc, qk_scale, F32DOT)
+    # 2. the extend window: causal stops after this block's last query; a tree mask may look
+    # anywhere in the window
+    if CUSTOM:
+        hi = ext
+    else:
+        hi = tl.minimum(ext, (mb + 1) * BLOCK_M)
+    for n0 in range(0, hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)                    # (N,) window index
+        live = j < hi
+        slot, ok, bad, tpos = _load_slots(table_ptr, base + prefix, j, live, n_table,
+                                          size_limit, report)
+        nbad += bad.to(tl.int32)
+        first = tl.minimum(first, tl.where(bad, tpos, _BIG))
+        if CUSTOM:
+            mm = (t < n_mask)[:, None] & ((j < n_mask) & live)[None, :]
+            tree = tl.load(mask_ptr + b * m_s0 + t[:, None] * m_s1 + j[None, :] * m_s2,
+                           mask=mm, other=0)                           # (M, N) uint8
+            visible = (tree != 0) | (j[None, :] == t[:, None])
+        else:
+            visible = j[None, :] <= t[:, None]
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, ok, visible, kvh, k_s0, k_s1, v_s0,
+                                v_s1, d, dmask, m_i, l_i, acc, qk_scale, F32DOT)
+    _record(err_ptr, nbad, first, call_id.to(tl.int64) << 32)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (q0 + t)[:, None] * o_s0 + h[:, None] * o_s1 + d[None, :] * o_s2,
+             o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+
+
+def _f32_dot(dtype: torch.dtype) -> bool:
+    """tl.dot in fp32 (ieee): for fp32 inputs (not tf32), and for bf16 under the interpreter,
+    whose dot multiplies bf16's raw uint16 bits (Triton 3.9's `create_dot`)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and _INTERPRET)
+
+
+def _register(op: str, size_limit: int, table: torch.Tensor, layer: int | None):
+    guard = kv_guard(table.device)
+    call_id = guard.register(op, size_limit, table, layer, dense=False)
+    if call_id > _MAX_CALL_ID:
+        raise RuntimeError(f"{op}: {call_id} guarded calls in one step without a check")
+    return guard, call_id
+
+
+def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scale: float,
+                            size_limit: int, num_splits: int, layer, out):
+    """Arguments checked by `attention.decode_attention`; writes and returns `out` (B, H, D)."""
+    B, H, D = q.shape
+    hkv = k_buffer.shape[1]
+    if B == 0:
+        return out
+    G = H // hkv
+    GP, DP = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))
+    block_n = 64 if DP <= 128 else 32
+    if num_splits > 1:   # scratch shapes from host ints only (graph capture allocates them once)
+        mid_o = torch.empty(B, H, num_splits, DP, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_lse = out                                          # unused
+    guard, call_id = _register("decode_attention", size_limit, table, layer)
+    _decode_kernel[(B, hkv, num_splits)](
+        q, k_buffer, v_buffer, table, kv_start, kv_len, out, mid_o, mid_lse, guard.err,
+        call_id, size_limit, table.numel(), scale * _LOG2E, *q.stride(), *out.stride(),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        H=H, G=G, GP=GP, D=D, DP=DP, BLOCK_N=block_n, SPLITS=num_splits,
+        F32DOT=_f32_dot(q.dtype), num_warps=4)
+    if num_splits > 1:
+        _merge_kernel[(B, H)](mid_o, mid_lse, out, *out.stride(), H=H, D=D, DP=DP,
+                              SPLITS=num_splits, SP=triton.next_power_of_2(num_splits),
+                              num_warps=1 if DP <= 64 else 2)
+    guard.after_launch()
+    return out
+
+
+def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, extend_len,
+                            q_start, scale: float, size_limit: int, mask, max_extend: int,
+                            layer, out):
+    """Arguments checked by `attention.extend_attention`; writes and returns `out` (T, H, D)."""
+    T, H, D = q.shape
+    B, hkv = kv_start.shape[0], k_buffer.shape[1]
+    if B == 0 or max_extend == 0 or T == 0:
+        return out
+    G = H // hkv
+    GP, DP = triton.next_power_of_2(G), max(16, triton.next_power_of_2(D))
+    # rows = BLOCK_M * GP queries x heads per program, ~64-128 (at least 16 queries)
+    block_m = max(16, min(triton.next_power_of_2(max_extend), 128 // GP))
+    block_n = 64 if DP <= 64 else 32
+    custom = mask is not None
+    mk = mask.view(torch.uint8) if custom else table                   # bool read as bytes
+    ms = mk.stride() if custom else (0, 0, 0)
+    guard, call_id = _register("extend_attention", size_limit, table, layer)
+    _extend_kernel[(B, triton.cdiv(max_extend, block_m), hkv)](
+        q, k_buffer, v_buffer, out, table, kv_start, prefix_len, extend_len, q_start, mk,
+        guard.err, call_id, size_limit, table.numel(), scale * _LOG2E, *q.stride(),
+        *out.stride(), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
+        v_buffer.stride(1), *ms, mask.shape[1] if custom else 0, T,
+        G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m, BLOCK_N=block_n, CUSTOM=custom,
+        F32DOT=_f32_dot(q.dtype), num_warps=8 if block_m * GP >= 128 else 4)
+    guard.after_launch()
+    return out

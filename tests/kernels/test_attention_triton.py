@@ -1,0 +1,433 @@
+"""Triton paged attention (decode split-K, extend causal / tree mask) equals the PyTorch
+reference, the reference equals a dense computation, and a bad slot is never read: the other
+sequences' outputs stay right and KVIndexError names the op. Runs on the GPU when there is
+one, else under TRITON_INTERPRET=1 (small shapes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"   # before triton and the kernel module are imported
+triton = pytest.importorskip("triton")
+
+from eaglekv.errors import KVIndexError  # noqa: E402
+from eaglekv.kernels.attention import (  # noqa: E402
+    decode_attention, decode_attention_torch, default_num_splits, extend_attention,
+    extend_attention_torch)
+from eaglekv.kernels.guard import kv_guard  # noqa: E402
+
+DEV = "cuda" if ON_GPU else "cpu"
+pytestmark = pytest.mark.gpu if ON_GPU else []
+SHAPES = [(9, 3, 64), (32, 8, 128), (4, 4, 64)] + ([(16, 2, 128), (8, 1, 96)] if ON_GPU else [])
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: (2e-5, 1e-5), torch.float16: (5e-3, 5e-3), torch.bfloat16: (4e-2, 2e-2)}
+# 4-node tree: 0 is the root, 1 and 2 its children, 3 the child of 1; a node sees its
+# ancestors and itself
+TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+
+
+@pytest.fixture(autouse=True)
+def _interpret_only_here(monkeypatch):
+    if not ON_GPU:
+        monkeypatch.setenv("EAGLEKV_TRITON_ON_CPU", "1")
+
+
+def close(a, b, dtype):
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(a.float().cpu(), b.float().cpu(), atol=atol, rtol=rtol)
+
+
+def paged_table(lens, page_size, g):
+    """A req_to_token (R+1, W) int32 table (row 0 the padding row), request b in a shuffled
+    row; its position p holds slot page_b[p // ps] * ps + p % ps, pages allocated shuffled from
+    [1, n_pages) (page 0 the padding page). Returns (flat table, kv_start, number of slots)."""
+    B, ps = len(lens), page_size
+    W = max(lens) + ps + 3
+    rows = torch.randperm(B + 2, generator=g)[:B] + 1                  # (B,) in [1, R]
+    n_pages = 1 + sum(-(-n // ps) for n in lens) + 2
+    pages = torch.randperm(n_pages - 1, generator=g) + 1
+    rtt = torch.zeros(B + 3, W, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        pos = torch.arange(n)
+        rtt[rows[b], :n] = (pages[used + pos // ps] * ps + pos % ps).to(torch.int32)
+        used += -(-n // ps)
+    return rtt.view(-1), rows.to(torch.int64) * W, n_pages * ps     # kv_start = rows * W
+
+
+def indptr_table(lens, g, num_slots=None):
+    """A flat kv_indices buffer: [pad x3][seq 0][gap x2][seq 1][gap x2]..., random slots."""
+    num_slots = num_slots or sum(lens) + 8
+    parts, starts, at = [torch.zeros(3, dtype=torch.int32)], [], 3
+    for n in lens:
+        starts.append(at)
+        parts += [torch.randint(0, num_slots, (n,), generator=g, dtype=torch.int32),
+                  torch.zeros(2, dtype=torch.int32)]
+        at += n + 2
+    return torch.cat(parts), torch.tensor(starts, dtype=torch.int64), num_slots
+
+
+def make_table(layout, lens, g):
+    if layout == "indptr":
+        return indptr_table(lens, g)
+    return paged_table(lens, int(layout.removeprefix("page")), g)
+
+
+def kv_buffers(rows, hkv, D, dtype, g):
+    kb = torch.randn(rows, hkv, D, generator=g).to(dtype)
+    vb = torch.randn(rows, hkv, D, generator=g).to(dtype)
+    return kb, vb
+
+
+def to_dev(*xs):
+    return [x.to(DEV) for x in xs]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_matches_reference(shape, dtype):
+    """B in {1, 3}, splits in {1, 3}, kv_len 1 / 70 (not a multiple of BLOCK_N) / 2 (< splits),
+    tables paged (ps 1 and 16) and a flat indptr buffer."""
+    H, hkv, D = shape
+    g = torch.Generator().manual_seed(H + D)
+    for B, splits, layout in [(1, 3, "page1"), (3, 1, "page16"), (3, 3, "indptr")]:
+        lens = [70, 1, 2][:B]
+        table, start, rows = make_table(layout, lens, g)
+        kb, vb = kv_buffers(rows, hkv, D, dtype, g)
+        q = torch.randn(B, H, D, generator=g).to(dtype)
+        kv_len = torch.tensor(lens)
+        ref = decode_attention_torch(q, kb, vb, table, start, kv_len, D ** -0.5,
+                                     size_limit=rows)
+        out = decode_attention(*to_dev(q, kb, vb, table, start, kv_len), D ** -0.5,
+                               size_limit=rows, num_splits=splits)
+        close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extend_matches_reference(shape, dtype):
+    """Causal over a paged (ps 1) table, tree mask over a ps-16 table, causal over a flat
+    indptr buffer; prefixes 0 / 70 / 5."""
+    H, hkv, D = shape
+    g = torch.Generator().manual_seed(H * D)
+    pre, ext = [70, 0, 5], [4, 3, 1]
+    for mask, layout in [(None, "page1"), (TREE, "page16"), (None, "indptr")]:
+        table, start, rows = make_table(layout, [p + e for p, e in zip(pre, ext)], g)
+        kb, vb = kv_buffers(rows, hkv, D, dtype, g)
+        q = torch.randn(sum(ext), H, D, generator=g).to(dtype)
+        m = None if mask is None else mask.expand(3, 4, 4).clone()
+        args = (table, start, torch.tensor(pre), torch.tensor(ext), torch.tensor([0, 4, 7]))
+        ref = extend_attention_torch(q, kb, vb, *args, D ** -0.5, size_limit=rows, mask=m)
+        out = extend_attention(*to_dev(q, kb, vb, *args), D ** -0.5, size_limit=rows,
+                               mask=None if m is None else m.to(DEV), max_extend=4)
+        close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 4, 64)])
+def test_extend_several_query_blocks(shape):
+    """40 queries (more than one query block) after a 70-key prefix, causal; the second
+    request's queries start after a gap in q, whose rows stay untouched."""
+    H, hkv, D = shape
+    g = torch.Generator().manual_seed(5)
+    pre, ext = [70, 3], [40, 17]
+    table, start, rows = paged_table([p + e for p, e in zip(pre, ext)], 16, g)
+    kb, vb = kv_buffers(rows, hkv, D, torch.float16, g)
+    q = torch.randn(60, H, D, generator=g).to(torch.float16)
+    args = (table, start, torch.tensor(pre), torch.tensor(ext), torch.tensor([0, 43]))
+    sentinel = torch.full_like(q, 7.0)
+    ref = extend_attention_torch(q, kb, vb, *args, 0.1, size_limit=rows, out=sentinel)
+    out = extend_attention(*to_dev(q, kb, vb, *args), 0.1, size_limit=rows, max_extend=40,
+                           out=sentinel.to(DEV))
+    close(out, ref, torch.float16)
+    assert torch.equal(out[40:43].cpu(), sentinel[40:43])
+
+
+def test_tree_mask_and_untouched_rows():
+    """Tree verify of two requests (4 and 3 nodes in a width-4 window): each request's rows
+    equal a per-node dense computation over prefix + ancestors + itself; the padding query
+    rows past extend_len are not written."""
+    H, hkv, D = 9, 3, 64
+    g = torch.Generator().manual_seed(11)
+    pre, ext = [6, 9], [4, 3]
+    table, start, rows = paged_table([p + 4 for p in pre], 1, g)
+    kb, vb = kv_buffers(rows, hkv, D, torch.float32, g)
+    q = torch.randn(8, H, D, generator=g)                              # request 1: rows 4..6
+    mask = TREE.expand(2, 4, 4).clone()
+    out = torch.full_like(q, -3.0).to(DEV)
+    extend_attention(*to_dev(q, kb, vb, table, start, torch.tensor(pre), torch.tensor(ext),
+                             torch.tensor([0, 4])), 0.125, size_limit=rows,
+                     mask=mask.to(DEV), max_extend=4, out=out)
+    out = out.cpu()
+    assert torch.equal(out[7], torch.full((H, D), -3.0))              # past extend_len[1]
+    for b, q0 in enumerate([0, 4]):
+        for t in range(ext[b]):
+            keys = list(range(pre[b])) + [pre[b] + j for j in range(4) if TREE[t, j]]
+            slots = table[start[b] + torch.tensor(keys)].long()
+            k = kb[slots].repeat_interleave(H // hkv, 1)               # (S, H, D)
+            v = vb[slots].repeat_interleave(H // hkv, 1)
+            p = torch.softmax(torch.einsum("hd,shd->hs", q[q0 + t], k) * 0.125, -1)
+            torch.testing.assert_close(out[q0 + t], torch.einsum("hs,shd->hd", p, v),
+                                       atol=2e-5, rtol=1e-5)
+
+
+def test_reference_equals_dense():
+    """The references against independent computations: decode against SDPA over a padded
+    (B, Smax) gather; extend (causal) against causal SDPA over the whole sequence."""
+    H, hkv, D = 9, 3, 64
+    g = torch.Generator().manual_seed(3)
+    lens = [5, 1, 33]
+    table, start, rows = paged_table(lens, 16, g)
+    kb, vb = kv_buffers(rows, hkv, D, torch.float64, g)
+    q = torch.randn(3, H, D, generator=g, dtype=torch.float64)
+    ref = decode_attention_torch(q, kb, vb, table, start, torch.tensor(lens), 0.2,
+                                 size_limit=rows)
+    S = max(lens)
+    pos = torch.arange(S)
+    valid = pos[None, :] < torch.tensor(lens)[:, None]                 # (B, S)
+    idx = torch.where(valid, table[start[:, None] + pos[None, :]].long(), 0)
+    k, v = kb[idx].transpose(1, 2), vb[idx].transpose(1, 2)            # (B, Hkv, S, D)
+    dense = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid[:, None, None],
+                                           scale=0.2, enable_gqa=True)[:, :, 0]
+    torch.testing.assert_close(ref, dense)
+    # extend: the last e positions of a causal pass over all L = p + e positions
+    pre, ext = [5, 0, 28], [3, 1, 5]
+    qx = torch.randn(9, H, D, generator=g, dtype=torch.float64)
+    got = extend_attention_torch(qx, kb, vb, table, start, torch.tensor(pre), torch.tensor(ext),
+                                 torch.tensor([0, 3, 4]), 0.2, size_limit=rows)
+    for b, q0 in enumerate([0, 3, 4]):
+        L = pre[b] + ext[b]
+        slots = table[start[b]:start[b] + L].long()
+        qf = torch.cat([torch.randn(pre[b], H, D, dtype=torch.float64, generator=g),
+                        qx[q0:q0 + ext[b]]])                            # (L, H, D)
+        full = F.scaled_dot_product_attention(qf.transpose(0, 1), kb[slots].transpose(0, 1),
+                                              vb[slots].transpose(0, 1), is_causal=True,
+                                              scale=0.2, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(got[q0:q0 + ext[b]], full[pre[b]:])
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_empty_sequence_and_out(splits):
+    """kv_len 0 gives zeros (not NaN); `out=` is written in place and returned."""
+    g = torch.Generator().manual_seed(2)
+    table, start, rows = paged_table([0, 4], 1, g)
+    kb, vb = kv_buffers(rows, 3, 64, torch.float16, g)
+    q = torch.randn(2, 9, 64, generator=g).to(torch.float16)
+    kv_len = torch.tensor([0, 4])
+    out = torch.full((2, 9, 64), float("nan"), dtype=torch.float16, device=DEV)
+    res = decode_attention(*to_dev(q, kb, vb, table, start, kv_len), 0.125, size_limit=rows,
+                           num_splits=splits, out=out)
+    assert res is out and torch.equal(out[0].cpu(), torch.zeros(9, 64, dtype=torch.float16))
+    close(out, decode_attention_torch(q, kb, vb, table, start, kv_len, 0.125, size_limit=rows),
+          torch.float16)
+
+
+def _bad_tables(bad):
+    """Three sequences over a ps-1 table; sequence 1 has `bad` at positions 2, 5 and 65."""
+    g = torch.Generator().manual_seed(9)
+    lens = [9, 70, 6]
+    table, start, rows = paged_table(lens, 1, g)
+    good = table.clone()
+    for pos in (2, 5, 65):
+        table[start[1] + pos] = bad(rows)
+    return g, lens, table, good, start, rows, int(start[1]) + 2
+
+
+BAD = {"limit": lambda rows: rows, "negative": lambda rows: -1}
+
+
+@pytest.mark.parametrize("which", list(BAD))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_bad_slot(which, splits):
+    """Inside a step: masked, the other sequences equal the reference, raise_if_error names
+    the op, layer, first bad slot and counts 3 (each bad key once, over heads and splits).
+    Outside a step: raises at once. CPU path: raises before computing."""
+    g, lens, table, good, start, rows, _ = _bad_tables(BAD[which])
+    kb, vb = kv_buffers(rows, 3, 64, torch.float32, g)
+    q = torch.randn(3, 9, 64, generator=g)
+    kv_len = torch.tensor(lens)
+    ref = decode_attention_torch(q, kb, vb, good, start, kv_len, 0.125, size_limit=rows)
+    bad = BAD[which](rows)
+    msg = (rf"slot {bad} out of range \[0, {rows}\) in decode_attention \(layer 4, 3 of "
+           rf"{table.numel()} indices bad\)")
+    dq, dk, dv, dt, ds, dl = to_dev(q, kb, vb, table, start, kv_len)
+    guard = kv_guard(DEV)
+    with guard.step():
+        out = decode_attention(dq, dk, dv, dt, ds, dl, 0.125, size_limit=rows, layer=4,
+                               num_splits=splits)
+    with pytest.raises(KVIndexError, match=msg):
+        guard.raise_if_error()
+    close(out[[0, 2]], ref[[0, 2]], torch.float32)
+    assert torch.isfinite(out[1]).all()
+    with pytest.raises(KVIndexError, match=msg):
+        decode_attention(dq, dk, dv, dt, ds, dl, 0.125, size_limit=rows, layer=4,
+                         num_splits=splits)
+    with pytest.MonkeyPatch.context() as mp:                           # the torch path
+        mp.setenv("EAGLEKV_TRITON_ON_CPU", "0")
+        out = torch.full_like(q, 5.0)
+        with pytest.raises(KVIndexError, match=rf"slot {bad} .* decode_attention \(layer 4, "
+                                               rf"3 of 85 indices bad\)"):
+            decode_attention(q, kb, vb, table, start, kv_len, 0.125, size_limit=rows,
+                             layer=4, out=out)
+        assert torch.equal(out, torch.full_like(q, 5.0))
+
+
+@pytest.mark.parametrize("which", list(BAD))
+@pytest.mark.parametrize("mask", [False, True])
+def test_extend_bad_slot(which, mask):
+    """Bad slots in request 1's prefix (read by both query blocks and every kv head) and in
+    its window (read by the second block only): each reported once, the other requests equal
+    the reference."""
+    g, lens, table, good, start, rows, _ = _bad_tables(BAD[which])
+    kb, vb = kv_buffers(rows, 3, 64, torch.float32, g)
+    pre, ext = [5, 25, 2], [4, 45, 4]                                 # prefix + ext == lens
+    q = torch.randn(53, 9, 64, generator=g)
+    m = torch.ones(3, 45, 45, dtype=torch.bool).tril() if mask else None
+    args = (start, torch.tensor(pre), torch.tensor(ext), torch.tensor([0, 4, 49]))
+    ref = extend_attention_torch(q, kb, vb, good, *args, 0.125, size_limit=rows, mask=m)
+    guard = kv_guard(DEV)
+    with guard.step():
+        out = extend_attention(*to_dev(q, kb, vb, table, *args), 0.125, size_limit=rows,
+                               mask=None if m is None else m.to(DEV), max_extend=45)
+    with pytest.raises(KVIndexError, match=rf"slot {BAD[which](rows)} out of range \[0, "
+                                           rf"{rows}\) in extend_attention \(3 of "
+                                           rf"{table.numel()} indices bad\)"):
+        guard.raise_if_error()
+    close(out[:4], ref[:4], torch.float32)
+    close(out[49:], ref[49:], torch.float32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EAGLEKV_TRITON_ON_CPU", "0")
+        with pytest.raises(KVIndexError, match=r"extend_attention \(3 of 85 indices bad\)"):
+            extend_attention(q, kb, vb, table, *args, 0.125, size_limit=rows, mask=m)
+
+
+def _args(**over):
+    """A valid small decode call, with some arguments replaced."""
+    a = dict(q=torch.zeros(2, 9, 64), k_buffer=torch.zeros(8, 3, 64),
+             v_buffer=torch.zeros(8, 3, 64), table=torch.zeros(16, dtype=torch.int32),
+             kv_start=torch.zeros(2, dtype=torch.int64), kv_len=torch.ones(2, dtype=torch.int64),
+             scale=0.125)
+    a.update(over)
+    kw = {k: a.pop(k) for k in list(a) if k not in ("q", "k_buffer", "v_buffer", "table",
+                                                    "kv_start", "kv_len", "scale")}
+    return a, {"size_limit": 8, **kw}
+
+
+@pytest.mark.parametrize("over,err,match", [
+    (dict(table=torch.zeros(16, dtype=torch.int64)), TypeError, "flat int32"),
+    (dict(table=torch.zeros(2, 8, dtype=torch.int32)), TypeError, r"view\(-1\)"),
+    (dict(k_buffer=torch.zeros(8, 4, 64), v_buffer=torch.zeros(8, 4, 64)), ValueError,
+     "9 query heads is not a multiple of 4 kv heads"),
+    (dict(k_buffer=torch.zeros(8, 3, 64, dtype=torch.float16)), TypeError, "k_buffer dtype"),
+    (dict(v_buffer=torch.zeros(8, 3, 32)), ValueError, "must both be"),
+    (dict(k_buffer=torch.zeros(8, 64, 3).transpose(1, 2)), ValueError, "contiguous"),
+    (dict(size_limit=9), ValueError, r"size_limit=9 must be an int in \[1, 8\]"),
+    (dict(kv_len=torch.ones(3, dtype=torch.int64)), ValueError, "kv_len has 3 entries"),
+    (dict(kv_start=torch.zeros(2)), TypeError, "kv_start must be a 1-D int64"),
+    (dict(q=torch.zeros(2, 9)), ValueError, "expected 3-D"),
+    (dict(q=torch.zeros(2, 9, 64, dtype=torch.float64)), TypeError, "q dtype"),
+    (dict(num_splits=0), ValueError, "num_splits=0"),
+    (dict(out=torch.zeros(2, 9, 32)), ValueError, "out is"),
+    (dict(scale=float("nan")), TypeError, "scale=nan"),
+])
+def test_decode_bad_arguments(over, err, match):
+    a, kw = _args(**over)
+    with pytest.raises(err, match=match):
+        decode_attention(*a.values(), **kw)
+
+
+def test_extend_bad_arguments():
+    a, kw = _args()
+    q, kb, vb, table, start, _, scale = a.values()
+    lens = torch.ones(2, dtype=torch.int64)
+    call = (q, kb, vb, table, start, lens, lens, start, scale)
+    with pytest.raises(ValueError, match=r"mask is torch.int64 \(2, 4, 4\)"):
+        extend_attention(*call, size_limit=8, mask=torch.ones(2, 4, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"expected bool \(2, Nmax, Nmax\)"):
+        extend_attention(*call, size_limit=8, mask=torch.ones(3, 4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"max_extend=3 must be an int in \[0, 2\]"):
+        extend_attention(*call, size_limit=8, max_extend=3)
+    with pytest.raises(ValueError, match="q_start has 3 entries"):
+        extend_attention(*call[:7], torch.zeros(3, dtype=torch.int64), scale, size_limit=8)
+    if ON_GPU:
+        with pytest.raises(ValueError, match="different devices"):
+            extend_attention(q.cuda(), *call[1:], size_limit=8)
+
+
+def test_default_num_splits():
+    assert default_num_splits(1, 3, 10**6) == 16                       # capped
+    assert default_num_splits(1, 3, 100) == 2                          # >= 64 keys a split
+    assert default_num_splits(64, 8, 4096) == 1                        # 512 programs already
+    assert default_num_splits(8, 3, 4096) == 11                        # 8*3*11 >= 264
+
+
+def test_no_triton_import_at_module_import():
+    code = ("import sys, eaglekv.kernels.attention; "
+            "assert 'eaglekv.kernels.attention_triton' not in sys.modules; print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs > 2**31 elements per buffer")
+def test_slot_times_stride_past_2_31():
+    """Slots whose byte offset passes 2**31 elements (int64 address arithmetic)."""
+    hkv, D = 1, 16
+    rows = 2**31 // (hkv * D) + 64
+    kb = torch.zeros(rows, hkv, D, dtype=torch.bfloat16, device="cuda")
+    vb = torch.zeros_like(kb)
+    slots = torch.arange(rows - 40, rows, device="cuda", dtype=torch.int32)
+    kb[slots.long()] = torch.randn(40, hkv, D, device="cuda").to(torch.bfloat16)
+    vb[slots.long()] = torch.randn(40, hkv, D, device="cuda").to(torch.bfloat16)
+    q = torch.randn(1, 2, D, device="cuda").to(torch.bfloat16)
+    start = torch.zeros(1, dtype=torch.int64, device="cuda")
+    kv_len = torch.full((1,), 40, dtype=torch.int64, device="cuda")
+    out = decode_attention(q, kb, vb, slots, start, kv_len, 0.25, size_limit=rows,
+                           num_splits=2)
+    ref = decode_attention_torch(q.cpu(), kb[slots.long()].cpu(), vb[slots.long()].cpu(),
+                                 torch.arange(40, dtype=torch.int32), start.cpu(),
+                                 kv_len.cpu(), 0.25, size_limit=40)
+    close(out, ref, torch.bfloat16)
+    tx = extend_attention(q[0:1].expand(3, 2, D).contiguous(), kb, vb, slots, start,
+                          torch.tensor([37], device="cuda"), torch.tensor([3], device="cuda"),
+                          torch.zeros(1, dtype=torch.int64, device="cuda"), 0.25,
+                          size_limit=rows)
+    close(tx[2:3], ref, torch.bfloat16)                                # last query sees all
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs")
+def test_cuda_graph_capture_and_replay():
+    """Captured once with fixed buffers, replayed with new kv_len / tables: equals the
+    reference each time (no host sync, no device-dependent shapes)."""
+    g = torch.Generator().manual_seed(4)
+    table, start, rows = paged_table([300, 200, 100], 16, g)
+    kb, vb = kv_buffers(rows, 3, 64, torch.bfloat16, g)
+    dq = torch.randn(3, 9, 64, generator=g).to(torch.bfloat16).cuda()
+    dk, dv, dt, ds = to_dev(kb, vb, table, start)
+    dl = torch.tensor([300, 200, 100], device="cuda")
+    out = torch.empty_like(dq)
+    guard = kv_guard("cuda")
+    with guard.step():
+        decode_attention(dq, dk, dv, dt, ds, dl, 0.125, size_limit=rows, max_kv_len=300,
+                         out=out)                                      # warm-up (compile)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            decode_attention(dq, dk, dv, dt, ds, dl, 0.125, size_limit=rows, max_kv_len=300,
+                             out=out)
+    guard.raise_if_error()
+    for lens in ([300, 200, 100], [17, 1, 0], [64, 299, 65]):
+        dl.copy_(torch.tensor(lens))
+        dq.copy_(torch.randn(3, 9, 64, generator=g).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = decode_attention_torch(dq.cpu(), kb, vb, table, start, torch.tensor(lens),
+                                     0.125, size_limit=rows)
+        close(out, ref, torch.bfloat16)
