@@ -1,0 +1,182 @@
+"""Fused glue ops of a Llama decoder layer, each with its PyTorch reference (the CPU path).
+
+    add_rms_norm:   s = x + residual (rounded to the dtype, as `residual + x` does),
+                    normed = s * rsqrt(mean(s^2) + eps) * w   (fp32, rounded once)
+    silu_and_mul:   gate_up = [gate | up] (T, 2I) -> silu(gate) * up = gate * sigmoid(gate) * up
+    rope_store_qkv: qkv (T, H + 2Hkv, D) = [q heads | k heads | v heads], q/k in the interleaved
+                    pair layout (dims 2i, 2i+1 form pair i, see model/rope.py); with
+                    c, s = cos[pos], sin[pos]: (x0, x1) -> (x0*c - x1*s, x0*s + x1*c) on q and k;
+                    q is returned, rotated k and plain v go to row out_cache_loc[t] of the caches.
+
+Every public function runs the Triton kernel (`fused_triton.py`) on CUDA tensors, or on CPU
+under TRITON_INTERPRET=1 with EAGLEKV_TRITON_ON_CPU=1 (`store_cache.use_triton`); otherwise the
+reference (`*_torch`). The host checks read shapes, dtypes and devices only (no device read),
+so every launch can be captured in a CUDA graph. Guards (rope_store_qkv): the CPU path raises
+`KVIndexError` before writing anything; the Triton path never writes through a bad slot or
+reads through a bad position, records the error in the buffer of `eaglekv.kernels.guard`, and
+still returns q for every token (rotated by position 0 where the position is bad).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eaglekv.errors import KVIndexError
+from eaglekv.kernels.guard import check_indices
+from eaglekv.kernels.store_cache import store_cache_torch, use_triton
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+_TRITON_IMPL = None
+
+
+def _triton_impl():
+    """The Triton module, imported on first use (CPU-only installs never import Triton)."""
+    global _TRITON_IMPL
+    if _TRITON_IMPL is None:
+        from eaglekv.kernels import fused_triton
+        _TRITON_IMPL = fused_triton
+    return _TRITON_IMPL
+
+
+def _expect(op: str, name: str, x: torch.Tensor, shape: tuple, dtypes: tuple, device) -> None:
+    """ValueError / TypeError naming `name` unless x has `shape` (None: any size there), a dtype
+    in `dtypes` and sits on `device`."""
+    if x.dim() != len(shape) or any(w is not None and s != w for s, w in zip(x.shape, shape)):
+        want = "(" + ", ".join("*" if w is None else str(w) for w in shape) + ")"
+        raise ValueError(f"{op}: {name} has shape {tuple(x.shape)}, expected {want}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{op}: {name} dtype {x.dtype}, expected "
+                        + " or ".join(str(d) for d in dtypes))
+    if x.device != device:
+        raise ValueError(f"{op}: {name} is on {x.device}, the other inputs on {device}")
+
+
+# ---------------------------------------------------------------------------- add_rms_norm
+
+def _check_add_rms_norm(x, residual, weight) -> None:
+    op = "add_rms_norm"
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x has shape {tuple(x.shape)}, expected (T, H)")
+    _expect(op, "x", x, (None, None), FLOAT_DTYPES, x.device)
+    if residual is not None:
+        _expect(op, "residual", residual, tuple(x.shape), (x.dtype,), x.device)
+    _expect(op, "weight", weight, (x.shape[1],), (x.dtype,), x.device)
+
+
+def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: the model's `residual = x if residual is None else residual + x` (the add
+    rounds to the dtype) then `F.rms_norm(residual, w, eps)`."""
+    _check_add_rms_norm(x, residual, weight)
+    new_residual = x if residual is None else residual + x                  # (T, H)
+    return F.rms_norm(new_residual, weight.shape, weight, eps), new_residual
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: (T, H) (residual None: a plain RMSNorm, new_residual is x itself); weight
+    (H,). Returns (normed, new_residual), both (T, H) in x's dtype. Triton: H <= 8192
+    (`fused_triton.MAX_HIDDEN`), any strides."""
+    if not use_triton(x):
+        return add_rms_norm_torch(x, residual, weight, eps)
+    return _triton_impl().add_rms_norm_triton(x, residual, weight, float(eps),
+                                              _check_add_rms_norm)
+
+
+# ---------------------------------------------------------------------------- silu_and_mul
+
+def _check_silu_and_mul(gate_up) -> None:
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_and_mul: gate_up has shape {tuple(gate_up.shape)}, expected "
+                         f"(T, 2I)")
+    _expect("silu_and_mul", "gate_up", gate_up, (None, None), FLOAT_DTYPES, gate_up.device)
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """Reference: `F.silu(gate) * up` in the tensor dtype (two roundings)."""
+    _check_silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, -1)                                         # (T, I) each
+    return F.silu(gate) * up
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (T, 2I) = [gate | up] -> silu(gate) * up (T, I); Triton computes in fp32 and
+    rounds once."""
+    if not use_triton(gate_up):
+        return silu_and_mul_torch(gate_up)
+    return _triton_impl().silu_and_mul_triton(gate_up, _check_silu_and_mul)
+
+
+# -------------------------------------------------------------------------- rope_store_qkv
+
+def _check_rope_store(qkv, cos, sin, positions, k_cache, v_cache, out_cache_loc, num_heads,
+                      num_kv_heads, size_limit) -> None:
+    op, dev = "rope_store_qkv", qkv.device
+    if num_heads < 1 or num_kv_heads < 1:
+        raise ValueError(f"{op}: num_heads={num_heads}, num_kv_heads={num_kv_heads}; both "
+                         f"must be >= 1")
+    if qkv.dim() != 3 or qkv.shape[1] != num_heads + 2 * num_kv_heads or qkv.shape[2] % 2:
+        raise ValueError(f"{op}: qkv has shape {tuple(qkv.shape)}, expected (T, num_heads + "
+                         f"2 * num_kv_heads = {num_heads + 2 * num_kv_heads}, even head_dim)")
+    T, _, D = qkv.shape
+    _expect(op, "qkv", qkv, (T, None, D), FLOAT_DTYPES, dev)
+    _expect(op, "cos", cos, (None, D // 2), (torch.float32,), dev)
+    _expect(op, "sin", sin, tuple(cos.shape), (torch.float32,), dev)
+    _expect(op, "positions", positions, (T,), INDEX_DTYPES, dev)
+    _expect(op, "out_cache_loc", out_cache_loc, (T,), INDEX_DTYPES, dev)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _expect(op, name, c, (None, num_kv_heads, D), (qkv.dtype,), dev)
+        if not c.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous (rows, {num_kv_heads}, {D})")
+    rows = min(k_cache.shape[0], v_cache.shape[0])
+    if not 0 < size_limit <= rows:
+        raise ValueError(f"{op}: size_limit={size_limit}, expected 1 <= size_limit <= {rows} "
+                         f"(cache rows)")
+
+
+def rope_store_qkv_torch(qkv, cos, sin, positions, k_cache, v_cache, out_cache_loc, *,
+                         num_heads: int, num_kv_heads: int, size_limit: int,
+                         layer: int | None = None) -> torch.Tensor:
+    """Reference: `RotaryEmbedding.apply` on the q and k heads with rot = cos + i*sin at the
+    positions, then `store_cache_torch(k, v, ...)`. Raises `KVIndexError` (a position outside
+    the tables, or a slot outside [0, size_limit)) before writing anything."""
+    _check_rope_store(qkv, cos, sin, positions, k_cache, v_cache, out_cache_loc, num_heads,
+                      num_kv_heads, size_limit)
+    H, Hkv = num_heads, num_kv_heads
+    try:
+        check_indices(positions, cos.shape[0], "rope_store_qkv positions")
+        rot = torch.complex(cos[positions], sin[positions]).unsqueeze(1)   # (T, 1, D/2)
+        qk = qkv[:, :H + Hkv]                                             # (T, H+Hkv, D)
+        xc = torch.view_as_complex(qk.float().reshape(*qk.shape[:-1], -1, 2))  # (T, H+Hkv, D/2)
+        qk = torch.view_as_real(xc * rot).flatten(-2).to(qkv.dtype)       # (T, H+Hkv, D)
+        store_cache_torch(qk[:, H:], qkv[:, H + Hkv:], k_cache, v_cache, out_cache_loc,
+                          size_limit=size_limit)
+    except KVIndexError as e:
+        raise (e if layer is None else e.with_layer(layer)) from None
+    return qk[:, :H].contiguous()                                          # (T, H, D)
+
+
+def rope_store_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   out_cache_loc: torch.Tensor, *, num_heads: int, num_kv_heads: int,
+                   size_limit: int, layer: int | None = None) -> torch.Tensor:
+    """RoPE on q and k, K/V into the paged cache, in one kernel; returns q (T, H, D).
+
+    qkv: (T, H + 2Hkv, D) any strides (e.g. a view of the (T, (H+2Hkv)*D) matmul output);
+    cos, sin: float32 (P, D/2) any strides (`cis.real`, `cis.imag` of RotaryEmbedding work as
+    they are); positions, out_cache_loc: (T,) int32/int64; k_cache, v_cache: contiguous
+    (rows, Hkv, D) in qkv's dtype. Token t's rotated k and v go to row out_cache_loc[t]; a slot
+    outside [0, size_limit) or a position outside [0, P) raises `KVIndexError` (CPU: at once,
+    nothing written; Triton: that token's row is not written, the error surfaces at once or at
+    the step's `raise_if_error`).
+    """
+    if not use_triton(qkv):
+        return rope_store_qkv_torch(qkv, cos, sin, positions, k_cache, v_cache, out_cache_loc,
+                                    num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                    size_limit=size_limit, layer=layer)
+    return _triton_impl().rope_store_qkv_triton(qkv, cos, sin, positions, k_cache, v_cache,
+                                                out_cache_loc, num_heads, num_kv_heads,
+                                                size_limit, layer, _check_rope_store)

@@ -1,0 +1,265 @@
+"""Triton kernels of `fused.py` (formulas and references there). The wrappers take checked
+arguments, allocate the outputs and launch once: no host sync, shapes from host ints only, so
+every launch can be captured in a CUDA graph. Integer strides are passed as they are: Triton
+specializes a stride of 1, so a contiguous tensor costs nothing extra.
+
+Launch cost. Triton's dispatch costs ~16 us of host time a call on the H200 host (measured:
+add_rms_norm 35.5 -> 19.5 us, silu_and_mul 23.8 -> 15.0 us an eager call at T=1 with the
+cached launcher below; torch's add + rms_norm took 21.9, silu * up 18.6), more than the kernel
+runs at decode sizes (1.0-2.4 us in a graph replay). So each kernel keeps, per launch
+signature (shapes, strides, dtypes, devices, 16-byte alignment of every pointer, the flags),
+the CompiledKernel's launcher: the first call of a signature runs the host checks and Triton's
+dispatch, later ones skip both (the signature holds everything the checks read) and call the
+launcher with the same positional arguments. `EAGLEKV_TRITON_FAST_LAUNCH=0`, a launch hook (a
+profiler) or an older Triton without a launcher take the full path always.
+
+rope_store_qkv's guard is store_cache's: a slot outside [0, size_limit) (or a position outside
+the cos/sin tables) is never dereferenced and is recorded in the device error buffer of
+`eaglekv.kernels.guard`: err[0] += 1 once per bad token, err[1] = min(err[1],
+call_id * 2**32 + token). Relaxed atomics, predicated off on the normal path (see
+store_cache_triton).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from eaglekv.kernels import store_cache_triton as sct   # its launch-hook check, raw stream
+from eaglekv.kernels.guard import FLAGS, kv_guard
+
+MAX_HIDDEN = 8192            # add_rms_norm's kernel holds one whole row in registers
+MAX_CALL_ID = 2**31 - 1      # call ids are passed as i32
+MAX_LAUNCHES = 1024          # cached signatures per kernel (token counts vary): then start over
+ROPE_TILE = 2048             # (heads x pairs) elements per rope_store_qkv program
+SILU_BLOCK = 1024            # columns per silu_and_mul program
+
+
+def _pow2(n: int) -> int:
+    """Smallest power of 2 >= n (n >= 1); plain Python: `triton.next_power_of_2` and
+    `triton.cdiv` go through Triton's constexpr-function wrapper, ~4 us a call on the H200
+    host."""
+    return 1 << (n - 1).bit_length()
+
+
+def _sig(t: torch.Tensor) -> tuple:
+    """What a launch depends on of one tensor: shape, strides, dtype, device, alignment."""
+    return t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0
+
+
+class CachedLaunch:
+    """One kernel's launches by signature (module docstring): `lookup` gives the cached
+    launcher or None; `launch` runs it, or goes through Triton's dispatch and caches the
+    result. Both paths pass the same positional arguments (constexprs included), and the
+    outputs are fresh allocations (always aligned), so the signature covers them."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.cache: dict[tuple, tuple] = {}
+
+    def lookup(self, key: tuple):
+        if not FLAGS.fast_launch or sct._RAW_STREAM is None or sct._hooks_set():
+            return None
+        return self.cache.get(key)
+
+    def launch(self, hit, key: tuple, grid: tuple, args: tuple, device: int, **options):
+        if hit is not None:
+            run, function, metadata = hit
+            run(grid[0], grid[1], 1, sct._RAW_STREAM(device), function, metadata, None, None,
+                None, *args)
+            return
+        compiled = self.full_launch(grid, args, options)
+        if FLAGS.fast_launch and compiled is not None and all(
+                hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+            if len(self.cache) >= MAX_LAUNCHES:
+                self.cache.clear()
+            self.cache[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+
+    def full_launch(self, grid: tuple, args: tuple, options: dict):
+        """Triton's dispatch; returns the CompiledKernel (None under the interpreter)."""
+        return self.kernel[grid](*args, **options)
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr, BY_HAND: tl.constexpr):
+    """fp32 x -> dtype, rounded to nearest even. BY_HAND (the CPU interpreter, whose fp32 ->
+    bf16 cast truncates): bf16 = high half of `bits + 0x7FFF + lsb`, lsb = bit 16 of bits."""
+    if BY_HAND and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, x_s0, x_s1, r_s0, r_s1, w_s0,
+                         H, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                         BY_HAND: tl.constexpr):
+    """Program t: row t. s = round(x + r) (as torch's `residual + x`), out = s * rsqrt(mean(s^2)
+    + eps) * w in fp32, rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)                                           # (BLOCK,)
+    m = cols < H
+    s = tl.load(x_ptr + t * x_s0 + cols * x_s1, mask=m, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + t * r_s0 + cols * r_s1, mask=m, other=0.0)
+        s = _round(s.to(tl.float32) + r.to(tl.float32), res_ptr.dtype.element_ty, BY_HAND)
+        tl.store(res_ptr + t * H + cols, s, mask=m)
+    s = s.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(s * s, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols * w_s0, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, _round(s * inv * w, out_ptr.dtype.element_ty, BY_HAND),
+             mask=m)
+
+
+def add_rms_norm_triton(x, residual, weight, eps: float, check):
+    """`check(x, residual, weight)`: the host checks, run on a new signature only."""
+    r = x if residual is None else residual
+    key = (_sig(x), residual is None, _sig(r), _sig(weight))
+    hit = _ADD_RMS_NORM.lookup(key)
+    if hit is None:
+        check(x, residual, weight)
+        if x.shape[1] > MAX_HIDDEN:
+            raise ValueError(f"add_rms_norm: hidden size {x.shape[1]} > {MAX_HIDDEN}, the "
+                             f"largest row the Triton kernel holds")
+    T, H = x.shape
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    new_res = x if residual is None else torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if T:
+        block = _pow2(H)
+        args = (x, r, weight, out, new_res, x.stride(0), x.stride(1), r.stride(0), r.stride(1),
+                weight.stride(0), H, eps, residual is not None, block, not x.is_cuda)
+        _ADD_RMS_NORM.launch(hit, key, (T, 1), args, x.get_device(),
+                             num_warps=min(16, max(4, block // 512)))
+    return out, new_res
+
+
+_ADD_RMS_NORM = CachedLaunch(_add_rms_norm_kernel)
+
+
+@triton.jit
+def _silu_and_mul_kernel(gu_ptr, out_ptr, s0, s1, I, BLOCK: tl.constexpr,
+                         BY_HAND: tl.constexpr):
+    """Program (t, j): out[t, c] = silu(g) * u = g * sigmoid(g) * u with g = gate_up[t, c],
+    u = gate_up[t, I + c], for the columns c of block j; fp32, rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)                # (BLOCK,)
+    m = cols < I
+    g = tl.load(gu_ptr + t * s0 + cols * s1, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + t * s0 + (cols + I) * s1, mask=m, other=0.0).to(tl.float32)
+    y = g * tl.sigmoid(g) * u
+    tl.store(out_ptr + t * I + cols, _round(y, out_ptr.dtype.element_ty, BY_HAND), mask=m)
+
+
+def silu_and_mul_triton(gate_up, check):
+    key = _sig(gate_up)
+    hit = _SILU_AND_MUL.lookup(key)
+    if hit is None:
+        check(gate_up)
+    T, I = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
+    if T and I:
+        block = min(SILU_BLOCK, _pow2(I))
+        args = (gate_up, out, gate_up.stride(0), gate_up.stride(1), I, block, not gate_up.is_cuda)
+        _SILU_AND_MUL.launch(hit, key, (T, -(-I // block)), args, gate_up.get_device())
+    return out
+
+
+_SILU_AND_MUL = CachedLaunch(_silu_and_mul_kernel)
+
+
+@triton.jit(do_not_specialize=["pos_call", "slot_call"])
+def _rope_store_qkv_kernel(qkv_ptr, s0, s1, s2, cos_ptr, c_s0, c_s1, sin_ptr, n_s0, n_s1,
+                           pos_ptr, p_s0, loc_ptr, l_s0, q_ptr, kc_ptr, vc_ptr, err_ptr,
+                           pos_call, slot_call, num_pos, size_limit, H: tl.constexpr,
+                           HKV: tl.constexpr, D: tl.constexpr, HB: tl.constexpr,
+                           PB: tl.constexpr, ASSERT: tl.constexpr, BY_HAND: tl.constexpr):
+    """Program (t, hb): heads [hb*HB, (hb+1)*HB) of token t, in one index space over the
+    H + 2Hkv heads of qkv:
+
+        h < H:              q head h:       rotate, store to q[t, h]
+        H <= h < H+Hkv:     k head h-H:     rotate, store to k_cache[slot, h-H]
+        H+Hkv <= h:         v head h-H-Hkv: copy,   store to v_cache[slot, h-H-Hkv]
+
+    Pair i of a head is dims (2i, 2i+1): (x0, x1) -> (x0*c - x1*s, x0*s + x1*c) with
+    c = cos[pos, i], s = sin[pos, i], pos = positions[t], slot = out_cache_loc[t]."""
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    pos = tl.load(pos_ptr + t * p_s0).to(tl.int64)
+    slot = tl.load(loc_ptr + t * l_s0).to(tl.int64)
+    pos_ok = (pos >= 0) & (pos < num_pos)
+    slot_ok = (slot >= 0) & (slot < size_limit)
+    if ASSERT:
+        tl.device_assert(pos_ok & slot_ok, "rope_store_qkv: position or slot out of range")
+    if (hb == 0) & (~pos_ok):         # each bad token counts once, in the program of head 0
+        tl.atomic_add(err_ptr, tl.full([], 1, tl.int64), sem="relaxed")
+        tl.atomic_min(err_ptr + 1, (pos_call.to(tl.int64) << 32) + t, sem="relaxed")
+    if (hb == 0) & (~slot_ok):
+        tl.atomic_add(err_ptr, tl.full([], 1, tl.int64), sem="relaxed")
+        tl.atomic_min(err_ptr + 1, (slot_call.to(tl.int64) << 32) + t, sem="relaxed")
+    pos = tl.where(pos_ok, pos, 0)    # a bad position reads row 0: q stays defined
+    i = tl.arange(0, PB)                                                  # (PB,) pair index
+    im = i < D // 2
+    c = tl.load(cos_ptr + pos * c_s0 + i * c_s1, mask=im, other=0.0)[None, :]   # (1, PB)
+    s = tl.load(sin_ptr + pos * n_s0 + i * n_s1, mask=im, other=0.0)[None, :]
+    h = (hb * HB + tl.arange(0, HB))[:, None]                             # (HB, 1)
+    m = (h < H + 2 * HKV) & im[None, :]                                   # (HB, PB)
+    d0 = (2 * i)[None, :]                                                 # (1, PB) dim 2i
+    src = qkv_ptr + t * s0 + h * s1 + d0 * s2                             # (HB, PB)
+    x0 = tl.load(src, mask=m, other=0.0)
+    x1 = tl.load(src + s2, mask=m, other=0.0)
+    f0, f1 = x0.to(tl.float32), x1.to(tl.float32)
+    rot = h < H + HKV                                                     # q and k heads
+    y0 = _round(tl.where(rot, f0 * c - f1 * s, f0), x0.dtype, BY_HAND)    # v: exact copy
+    y1 = _round(tl.where(rot, f0 * s + f1 * c, f1), x0.dtype, BY_HAND)
+    is_q = h < H
+    dst = tl.where(is_q, q_ptr + (t * H + h) * D + d0,                    # q: (T, H, D)
+                   tl.where(rot, kc_ptr + (slot * HKV + (h - H)) * D + d0,
+                            vc_ptr + (slot * HKV + (h - H - HKV)) * D + d0))
+    # the cache rows only through a good slot (a full tile: the interpreter refuses a scalar
+    # mask operand)
+    good = (tl.zeros([HB, PB], dtype=tl.int32) + (slot_ok & pos_ok).to(tl.int32)) != 0
+    ok = m & (is_q | good)                                                # (HB, PB)
+    tl.store(dst, y0, mask=ok)
+    tl.store(dst + 1, y1, mask=ok)
+
+
+def rope_store_qkv_triton(qkv, cos, sin, positions, k_cache, v_cache, out_cache_loc,
+                          num_heads: int, num_kv_heads: int, size_limit: int,
+                          layer: int | None, check):
+    """`check(...)` (fused._check_rope_store's arguments): run on a new signature only."""
+    key = (_sig(qkv), _sig(cos), _sig(sin), _sig(positions), _sig(out_cache_loc), _sig(k_cache),
+           _sig(v_cache), num_heads, num_kv_heads, size_limit, FLAGS.device_assert)
+    hit = _ROPE_STORE_QKV.lookup(key)
+    if hit is None:
+        check(qkv, cos, sin, positions, k_cache, v_cache, out_cache_loc, num_heads,
+              num_kv_heads, size_limit)
+    T, _, D = qkv.shape
+    q = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return q
+    guard = kv_guard(qkv.device)
+    pos_call = guard.register("rope_store_qkv positions", cos.shape[0], positions, layer,
+                              dense=True)
+    slot_call = guard.register("store_cache", size_limit, out_cache_loc, layer, dense=True)
+    if slot_call > MAX_CALL_ID:
+        raise RuntimeError(f"rope_store_qkv: {slot_call} guarded calls in one step without a "
+                           f"check")
+    pb = _pow2(D // 2)
+    nh = num_heads + 2 * num_kv_heads
+    hb = max(1, min(_pow2(nh), ROPE_TILE // pb))
+    args = (qkv, qkv.stride(0), qkv.stride(1), qkv.stride(2), cos, cos.stride(0), cos.stride(1),
+            sin, sin.stride(0), sin.stride(1), positions, positions.stride(0), out_cache_loc,
+            out_cache_loc.stride(0), q, k_cache, v_cache, guard.err, pos_call, slot_call,
+            cos.shape[0], size_limit, num_heads, num_kv_heads, D, hb, pb, FLAGS.device_assert,
+            not qkv.is_cuda)
+    # tl.device_assert is compiled in only with debug=True
+    _ROPE_STORE_QKV.launch(hit, key, (T, -(-nh // hb)), args, qkv.get_device(),
+                           debug=FLAGS.device_assert)
+    guard.after_launch()
+    return q
+
+
+_ROPE_STORE_QKV = CachedLaunch(_rope_store_qkv_kernel)
