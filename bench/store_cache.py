@@ -106,7 +106,7 @@ def main(out_dir: str) -> None:
             row = {"rows": n, "row_bytes": rb}
             with guard.step():  # deferred check: no host sync per call, as in the engine
                 timings = measure(fns)
-                guard.calls.clear()
+                guard.calls.clear(); guard.next_id = 0
             guard.raise_if_error()
             for name, (us, b2b) in timings.items():
                 row[name + "_us"] = us
@@ -206,7 +206,7 @@ def paired_overhead(rounds: int = 21) -> list[dict]:
                          for fn in order]
                     chk, unchk = (t[0], t[1]) if r % 2 == 0 else (t[1], t[0])
                     ratios.append(chk / unchk)
-                    guard.calls.clear()
+                    guard.calls.clear(); guard.next_id = 0
             guard.raise_if_error()
             q = statistics.quantiles(ratios, n=4)
             points.append({"rows": n, "row_bytes": rb, "rounds": rounds,

@@ -36,6 +36,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="prefill tokens a step; a longer prompt is prefilled over several "
                    "steps while the others keep decoding (default: 512 on CPU, 2048 on CUDA; "
                    "0: a prompt at once)")
+    p.add_argument("--attention-backend", choices=("auto", "torch", "triton"),
+                   default=d.attention_backend, help="auto: Triton kernels on CUDA, the "
+                   "PyTorch reference on CPU")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="CUDA: run every decode step eagerly, not as a captured graph")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest decode batch captured as a CUDA graph (default: "
+                   "--max-running-requests)")
     # No defaults here: spec_config fills them from SpecConfig, and `serve` can tell a flag given.
     # The second names are SGLang's.
     p.add_argument("--spec", "--speculative-algorithm", type=str.lower, choices=SPEC_ALGORITHMS,
@@ -50,6 +58,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", "--speculative-num-draft-tokens", type=int,
                    help="tokens verified a step, the root included (default: num_steps + 1 "
                    "for a chain)")
+
+
+def kernel_options(args) -> dict:
+    """The engine's kernel and graph flags, as EngineConfig fields."""
+    return {"attention_backend": args.attention_backend,
+            "disable_cuda_graph": args.disable_cuda_graph,
+            "cuda_graph_max_bs": args.cuda_graph_max_bs}
 
 
 def chunk_arg(value: int | None) -> int | str | None:
@@ -147,7 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--new-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
-    b.add_argument("--out", default=None, help="also write the JSON here")
+    b.add_argument("--out", default=None, help="also write the JSON here (with --device "
+                   "cuda: a directory for the JSON and the PNG)")
+    b.add_argument("--batches", default="1,4,16,64", help="--device cuda: batch sizes")
+    b.add_argument("--modes", default="plain,eagle_chain_S3K1N4,eagle_tree_S4K2N8",
+                   help="--device cuda: plain and the EAGLE configurations to run")
+    b.add_argument("--llama8b", action="store_true", help="--device cuda: add the decode "
+                   "step of a Llama-3.1-8B shape (random weights) against its roofline")
     t = sub.add_parser("train-draft", help="train an EAGLE-1/2 draft head by self-distillation "
                        "(`prompts` on the CPU, then `train`)", description=TRAIN_DRAFT_DESCRIPTION)
     train_draft_args(t)
@@ -160,7 +181,8 @@ def cmd_generate(args) -> None:
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                  page_size=args.page_size, max_total_tokens=args.max_total_tokens,
                                  chunked_prefill_size=chunk_arg(args.chunked_prefill_size),
-                                 max_running_requests=1, speculative=spec_from_args(args)))
+                                 max_running_requests=1, speculative=spec_from_args(args),
+                                 **kernel_options(args)))
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -256,7 +278,7 @@ def serve_configs(args, environ=os.environ) -> tuple[EngineConfig, "ServerConfig
               "mem_fraction": mem, "seed": args.seed,
               "chunked_prefill_size": chunk_arg(args.chunked_prefill_size),
               "max_running_requests": args.max_running_requests,
-              "speculative": _serve_spec(args)}
+              "speculative": _serve_spec(args), **kernel_options(args)}
     # None: the field's default (max_context_len, max_total_tokens and chunked_prefill_size
     # take None as a value of their own and stay)
     optional = ("model", "mem_fraction", "seed")
@@ -300,8 +322,13 @@ def cmd_bench_serve(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from eaglekv.bench.e2e import main as bench_main
     args.command_line = "eaglekv " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if args.device.startswith("cuda") and args.spec is None:   # the whole issue-13 table
+        from eaglekv.bench.gpu import main as gpu_main
+        args.draft = args.draft or "default"
+        gpu_main(args)
+        return
+    from eaglekv.bench.e2e import main as bench_main
     bench_main(args, spec_from_args(args))   # the CLI resolves the flags; bench never calls back
 
 

@@ -171,6 +171,10 @@ class EngineConfig:
     # prefill tokens a step (None: a prompt at once); "auto": CHUNKED_PREFILL_AUTO of the device
     chunked_prefill_size: int | None | str = "auto"
     speculative: SpecConfig = SpecConfig()
+    # "auto": Triton kernels on CUDA, the PyTorch reference on CPU; or "torch" | "triton"
+    attention_backend: str = "auto"
+    disable_cuda_graph: bool = False     # CUDA: run every step eagerly (debugging)
+    cuda_graph_max_bs: int | None = None  # largest captured decode batch (default: max_running)
 
     def __post_init__(self):
         if isinstance(self.speculative, dict):
@@ -199,12 +203,28 @@ class EngineConfig:
                 not isinstance(self.chunked_prefill_size, int) or self.chunked_prefill_size < 1):
             raise ConfigError(f"chunked_prefill_size={self.chunked_prefill_size!r} must be an "
                               f"int >= 1 (or None: no chunking)")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(f"attention_backend={self.attention_backend!r}; choose 'auto', "
+                              f"'torch' or 'triton'")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"cuda_graph_max_bs={self.cuda_graph_max_bs} must be >= 1")
         if not 0 < self.mem_fraction <= 0.95:
             raise ConfigError(f"mem_fraction={self.mem_fraction} must be in (0, 0.95]")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def triton_attention(self) -> bool:
+        return self.attention_backend == "triton" or (
+            self.attention_backend == "auto" and torch.device(self.device).type == "cuda")
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Decode steps replay captured graphs: CUDA, the Triton backend, not disabled."""
+        return (torch.device(self.device).type == "cuda" and self.triton_attention
+                and not self.disable_cuda_graph)
 
     @classmethod
     def from_dict(cls, options: dict) -> "EngineConfig":

@@ -35,6 +35,7 @@ class RunnerResources:
     max_running_requests: int
     max_context_len: int
     num_target_layers: int
+    cuda_graph_max_bs: int = 0     # largest batch captured in CUDA graphs; 0: run eagerly
 
 
 class ModelRunner:
@@ -43,8 +44,11 @@ class ModelRunner:
 
     separate_decode = False        # a decode is an extend by one token
 
-    def __init__(self, res: RunnerResources):
+    def __init__(self, res: RunnerResources, graphs=None):
+        """`graphs`: captured decode forwards (cuda_graph.DecodeGraphs), replayed for every
+        step whose requests all extend by one token; None runs every step eagerly."""
         self.res = res
+        self.graphs = graphs
 
     def step_pages(self, kv_len: int) -> int:
         """Pages a running request may take in its next step: one token, at most one page."""
@@ -56,7 +60,29 @@ class ModelRunner:
 
     def run(self, plan: StepPlan) -> StepResult:
         with guarded(self.res.device):
+            if self.graphs is not None and self.graph_fits(plan):
+                return self.run_graph(plan)
             return self.run_extend(plan)[0]
+
+    def graph_fits(self, plan: StepPlan) -> bool:
+        return (self.graphs.bucket(len(plan.reqs)) is not None
+                and all(len(x) == 1 for x in plan.ids))
+
+    def run_graph(self, plan: StepPlan) -> StepResult:
+        """A decode step (one token per request) as one replay of the captured forward."""
+        slots = torch.cat(plan.slots).numpy()
+        logits, greedy = self.graphs.replay([x[0] for x in plan.ids], plan.prefix_lens,
+                                            [r.row for r in plan.reqs], slots)
+        done = plan.sampling
+        if len(done) == len(plan.reqs) and all(
+                r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
+                for r in plan.reqs):   # picked inside the graph: the step's sync reads them
+            result = StepResult.empty(len(plan.reqs))
+            for i, (t, ok) in enumerate(greedy.tolist()):
+                result.failed[i] = not ok
+                result.tokens[i] = [t] if ok else None
+            return result
+        return self.sample(plan, done, logits if len(done) == len(plan.reqs) else logits[done])
 
     def extend_batch(self, plan: StepPlan) -> ForwardBatch:
         return ForwardBatch.build(plan.ids, plan.prefix_lens, [r.row for r in plan.reqs],
@@ -70,14 +96,19 @@ class ModelRunner:
         out = self.res.model.forward(batch, self.res.backend,
                                      logits_indices=batch.last_token_indices[done],
                                      **forward_kw)
+        return self.sample(plan, done, out.logits), out, batch
+
+    @staticmethod
+    def sample(plan: StepPlan, done: list[int], logits: torch.Tensor) -> StepResult:
+        """The step's result: a token for each request of `done` (logits: (len(done), V))."""
         result = StepResult.empty(len(plan.reqs))
         if done:   # else every request of the batch is mid-prefill
-            tokens, lps = sample_requests(out.logits, [plan.reqs[i] for i in done])
+            tokens, lps = sample_requests(logits, [plan.reqs[i] for i in done])
             for i, t, lp in zip(done, tokens, lps):
                 result.failed[i] = t is None       # not a usable distribution: fails alone
                 result.tokens[i] = None if t is None else [t]
                 result.logprobs[i] = lp
-        return result, out, batch
+        return result
 
 
 class guarded:

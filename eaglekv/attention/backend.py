@@ -16,13 +16,28 @@ import torch.nn.functional as F
 from eaglekv.core import ForwardBatch
 from eaglekv.kernels.guard import guard_indices
 from eaglekv.memory import KVPool, ReqToTokenPool
+from eaglekv.model.rope import RotaryEmbedding
 
 
 class AttentionBackend:
-    """Interface: `init_forward_metadata(batch)` once, then `forward(...)` per layer."""
+    """Interface: `init_forward_metadata(batch)` and `rope_inputs` once per forward, then
+    `forward_qkv(...)` (or `forward(...)` with q and k already rotated) per layer."""
 
     def init_forward_metadata(self, batch: ForwardBatch):
         raise NotImplementedError
+
+    def rope_inputs(self, rope: RotaryEmbedding, positions: torch.Tensor):
+        """What `forward_qkv` needs to rotate this forward's tokens: here (T, 1, D/2) complex
+        rotations, computed once per forward."""
+        return rope.rotations(positions)
+
+    def forward_qkv(self, qkv: torch.Tensor, rope_in, layer: int, meta, scale: float,
+                    num_heads: int, num_kv_heads: int) -> torch.Tensor:
+        """qkv: (T, H + 2 Hkv, D), q and k not yet rotated -> attention output (T, H, D); the
+        new tokens' K/V go into the cache on the way."""
+        H, Hkv = num_heads, num_kv_heads
+        qk = RotaryEmbedding.apply(qkv[:, :H + Hkv], rope_in)           # q and k in one go
+        return self.forward(qk[:, :H], qk[:, H:], qkv[:, H + Hkv:], layer, meta, scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta,
                 scale: float) -> torch.Tensor:

@@ -75,16 +75,31 @@ class Engine:
         self.kv_pool = KVPool(size, cfg.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
                               cfg.torch_dtype, self.device)
         # 4. attention backend, runner (plain, or the speculative family's), scheduler
-        self.backend = TorchAttentionBackend(self.kv_pool, self.req_to_token)
+        backend_cls = TorchAttentionBackend
+        if cfg.triton_attention:   # imported only where it runs
+            from eaglekv.attention.triton_backend import TritonAttentionBackend as backend_cls
+        self.backend = backend_cls(self.kv_pool, self.req_to_token)
         res = RunnerResources(self.model, self.backend, self.kv_pool, self.allocator,
                               self.req_to_token, self.device, cfg.torch_dtype, cfg.page_size,
-                              cfg.max_running_requests, self.max_context_len, mc.num_layers)
+                              cfg.max_running_requests, self.max_context_len, mc.num_layers,
+                              cuda_graph_max_bs=min(cfg.cuda_graph_max_bs
+                                                    or cfg.max_running_requests,
+                                                    cfg.max_running_requests)
+                              if cfg.cuda_graphs else 0)
         self.runner = (build_runner(res, spec, draft_ckpt, drafter) if spec.enabled
-                       else ModelRunner(res))
+                       else ModelRunner(res, self._decode_graphs(res)))
         self.scheduler = Scheduler(cfg, self.allocator, self.req_to_token, self.runner,
                                    self.device)
         self._rids = itertools.count()
         self._seeds = torch.Generator().manual_seed(cfg.seed)
+
+    def _decode_graphs(self, res: RunnerResources):
+        """The plain runner's captured decode steps (CUDA, unless disabled), else None."""
+        if not res.cuda_graph_max_bs:
+            return None
+        from eaglekv.cuda_graph import DecodeGraphs
+        return DecodeGraphs(self.model, self.backend, res.cuda_graph_max_bs,
+                            self.max_context_len)
 
     # the scheduler's books and the speculative runner, under their old names
     running = property(lambda self: self.scheduler.running)

@@ -80,13 +80,33 @@ class KVGuard:
     def __init__(self, device: torch.device):
         self.device = device
         self.err = torch.tensor([0, NO_ERROR], dtype=torch.int64, device=device)
-        self.calls: list[_Call] = []
+        self.calls: dict[int, _Call] = {}     # call id -> call, this step's
+        self.next_id = 0
         self.deferred = False
 
     def register(self, op: str, limit: int, indices: torch.Tensor, layer: int | None,
                  dense: bool = False) -> int:
-        self.calls.append(_Call(op, limit, indices, layer, dense))
-        return len(self.calls) - 1
+        call_id = self.next_id
+        self.calls[call_id] = _Call(op, limit, indices, layer, dense)
+        self.next_id += 1
+        return call_id
+
+    @contextmanager
+    def capturing(self, first_id: int):
+        """Record the calls of a CUDA graph capture under ids from `first_id` (a range of its
+        own, so that a replay's calls never collide with the step's eager ones, which count
+        from 0); yields the dict they go to, kept by the graph and handed back at every
+        replay with `replaying`."""
+        saved, saved_next = self.calls, self.next_id
+        self.calls, self.next_id = {}, first_id
+        try:
+            yield self.calls
+        finally:
+            self.calls, self.next_id = saved, saved_next
+
+    def replaying(self, calls: dict[int, _Call]) -> None:
+        """A captured graph is about to run in this step: its calls become this step's."""
+        self.calls.update(calls)
 
     @contextmanager
     def step(self):
@@ -100,7 +120,7 @@ class KVGuard:
     def raise_if_error(self) -> None:
         """Read the buffer (call right after an existing host sync) and raise the first error."""
         count, key = self.err.tolist()
-        calls, self.calls = self.calls, []
+        calls, self.calls, self.next_id = self.calls, {}, 0
         if count == 0:
             return
         self.err.copy_(torch.tensor([0, NO_ERROR], dtype=torch.int64))

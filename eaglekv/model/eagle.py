@@ -77,8 +77,8 @@ class EagleDraftModel:
         """
         e = self.embed_tokens(input_ids)                                          # (T, H)
         x = linear(torch.cat([e, hidden.to(self.dtype)], -1), self.fc, self.fc_bias)  # (T, H)
-        rot = self.rope.rotations(positions)                                      # (T, 1, D/2)
-        x, residual = self.layer.forward(x, None, rot, backend, meta, 0)
+        x, residual = self.layer.forward(x, None, backend.rope_inputs(self.rope, positions),
+                                         backend, meta, 0)
         g = residual + x                                                          # (T, H)
         gs = g if logits_indices is None else g[logits_indices]                   # (n, H)
         logits = linear(gs, self.lm_head_t)                                             # (n, V)

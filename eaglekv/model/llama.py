@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from eaglekv.core import ForwardBatch
 from eaglekv.errors import ModelLoadError
+from eaglekv.kernels.fused import add_rms_norm, silu_and_mul
 from eaglekv.model.config import ModelConfig
 from eaglekv.model.rope import RotaryEmbedding, to_interleaved
 
@@ -84,25 +85,26 @@ class DecoderLayer:
         self.gate_up = t(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]], 0))
         self.down = t(w["mlp.down_proj.weight"])
 
-    def forward(self, x, residual, rot, backend, meta, layer_id):
+    def forward(self, x, residual, rope, backend, meta, layer_id):
+        """x: (T, H) the previous layer's output (the residual stream not yet added), `rope`
+        what `backend.rope_inputs` gave for this forward -> (output, residual)."""
         cfg = self.cfg
-        residual = x if residual is None else residual + x
-        h = residual if self.input_norm is None else rms_norm(residual, self.input_norm,
-                                                              cfg.rms_norm_eps)
+        if self.input_norm is None:       # EAGLE's layer 0 has no input norm
+            residual = x if residual is None else residual + x
+            h = residual
+        else:
+            h, residual = add_rms_norm(x, residual, self.input_norm, cfg.rms_norm_eps)
         T, H, Hkv, D = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = linear(h, self.qkv, self.qkv_bias).view(T, H + 2 * Hkv, D)  # (T, H+2Hkv, D)
-        qk, v = qkv[:, :H + Hkv], qkv[:, H + Hkv:]                       # (T, H+Hkv, D), (T, Hkv, D)
         if self.q_norm is not None:
-            qk = torch.cat([rms_norm(qk[:, :H], self.q_norm, cfg.rms_norm_eps),
-                            rms_norm(qk[:, H:], self.k_norm, cfg.rms_norm_eps)], 1)
-        qk = RotaryEmbedding.apply(qk, rot)                               # q and k in one go
-        q, k = qk[:, :H], qk[:, H:]
-        attn = backend.forward(q, k, v, layer_id, meta, cfg.head_dim ** -0.5)   # (T, H, D)
+            qkv = torch.cat([rms_norm(qkv[:, :H], self.q_norm, cfg.rms_norm_eps),
+                             rms_norm(qkv[:, H:H + Hkv], self.k_norm, cfg.rms_norm_eps),
+                             qkv[:, H + Hkv:]], 1)
+        # RoPE on q and k, K/V into the cache, attention: (T, H, D)
+        attn = backend.forward_qkv(qkv, rope, layer_id, meta, D ** -0.5, H, Hkv)
         x = linear(attn.reshape(T, cfg.q_size), self.o)
-        residual = residual + x
-        h = rms_norm(residual, self.post_norm, cfg.rms_norm_eps)
-        gate, up = linear(h, self.gate_up).chunk(2, -1)                  # (T, I) each
-        return linear(F.silu(gate) * up, self.down), residual
+        h, residual = add_rms_norm(x, residual, self.post_norm, cfg.rms_norm_eps)
+        return linear(silu_and_mul(linear(h, self.gate_up)), self.down), residual
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -181,14 +183,23 @@ class LlamaForCausalLM:
         are returned in `aux_hidden`, for EAGLE-3.
         """
         meta = backend.init_forward_metadata(batch)
-        rot = self.rope.rotations(batch.positions)                       # (T, 1, D/2)
-        x = self.embed_tokens(batch.input_ids)                           # (T, H)
+        return self.forward_tokens(batch.input_ids, batch.positions, backend, meta,
+                                   logits_indices, return_hidden, capture_layers)
+
+    @torch.inference_mode()
+    def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, backend, meta,
+                       logits_indices: torch.Tensor | None = None, return_hidden: bool = False,
+                       capture_layers: tuple[int, ...] = ()) -> ModelOutput:
+        """The forward over prepared attention metadata: (T,) ids and positions. Device work
+        only (no host sync, no shape read from the device), so a CUDA graph can capture it."""
+        rope = backend.rope_inputs(self.rope, positions)
+        x = self.embed_tokens(input_ids)                                 # (T, H)
         residual, aux = None, []
         for i, layer in enumerate(self.layers):
-            x, residual = layer.forward(x, residual, rot, backend, meta, i)
+            x, residual = layer.forward(x, residual, rope, backend, meta, i)
             if i in capture_layers:
                 aux.append(residual + x)
-        h = rms_norm(residual + x, self.norm, self.cfg.rms_norm_eps)    # (T, H)
+        h, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)  # (T, H)
         hs = h if logits_indices is None else h[logits_indices]
         logits = linear(hs, self.lm_head_t)                              # (n, V)
         return ModelOutput(logits=logits, hidden=h if return_hidden else None,

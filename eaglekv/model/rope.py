@@ -57,6 +57,14 @@ class RotaryEmbedding:
         freqs = torch.outer(t, inv_freq)                               # (P, D/2)
         self.cis = torch.polar(torch.full_like(freqs, scale), freqs).to(torch.complex64).to(device)
         self.max_positions = max_positions
+        self._cos_sin = None
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P, D/2) float32 tables of the rotations' real and imaginary parts, for the fused
+        RoPE kernel (built on first use)."""
+        if self._cos_sin is None:
+            self._cos_sin = (self.cis.real.contiguous(), self.cis.imag.contiguous())
+        return self._cos_sin
 
     def rotations(self, positions: torch.Tensor) -> torch.Tensor:
         """(T,) positions -> (T, 1, D/2) complex, computed once per forward."""

@@ -42,6 +42,11 @@ class EagleWorker:
         self.target = ModelRunner(res)
         self.loop = DraftLoop(drafter, self.S, self.K)
         self.slots = DraftSlots(res, drafter, spec)
+        self.verify_graphs = None
+        if res.cuda_graph_max_bs:    # the verify forward, captured per batch bucket
+            from eaglekv.cuda_graph import VerifyGraphs
+            self.verify_graphs = VerifyGraphs(res.model, res.backend, res.cuda_graph_max_bs,
+                                              self.N, drafter.capture_layers)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -143,8 +148,12 @@ class EagleWorker:
                              out_cache_loc=vslots.reshape(-1).to(dev),
                              prefix_lens_cpu=tuple(r.kv_len for r in reqs),
                              extend_lens_cpu=(N,) * B, extend_mask=tree.mask)
-        out = self.res.model.forward(batch, self.res.backend, return_hidden=True,
-                                     capture_layers=self.drafter.capture_layers)
+        if self.verify_graphs is not None and self.verify_graphs.bucket(B) is not None:
+            out = self.verify_graphs.run(batch.input_ids, batch.positions, rows, seq_lens,
+                                         batch.out_cache_loc, tree.mask)
+        else:
+            out = self.res.model.forward(batch, self.res.backend, return_hidden=True,
+                                         capture_layers=self.drafter.capture_layers)
         logits = out.logits.view(B, N, -1)                                        # (B, N, V)
         feats = self.drafter.features(out).view(B, N, -1)                         # (B, N, Hf)
         t2 = time.perf_counter()

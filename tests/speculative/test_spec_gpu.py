@@ -20,13 +20,21 @@ def spec(S, K, N):
     return dict(algorithm="eagle", draft_model="random", num_steps=S, topk=K, num_draft_tokens=N)
 
 
+def _check_graphs(eng, graphs: bool) -> None:
+    """With graphs on, the verify forwards were replays of the captured graphs."""
+    vg = eng.runner.verify_graphs
+    assert (vg is not None and vg.replays > 0) if graphs else vg is None
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("S,K,N,ps", [(3, 1, 4, 1), (3, 2, 6, 16), (5, 4, 12, 4)])
-def test_gpu_spec_greedy_equals_plain(tiny_dir, S, K, N, ps):
+def test_gpu_spec_greedy_equals_plain(tiny_dir, S, K, N, ps, graphs):
     sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
     plain = [o.token_ids for o in tiny_engine(tiny_dir, device="cuda").generate(PROMPTS, sp)]
     eng = tiny_engine(tiny_dir, device="cuda", page_size=ps, max_running_requests=4,
-                      speculative=spec(S, K, N))
+                      speculative=spec(S, K, N), disable_cuda_graph=not graphs)
     assert [o.token_ids for o in eng.generate(PROMPTS, sp)] == plain
+    _check_graphs(eng, graphs)
     eng.check_memory()
     assert eng.allocator.is_full()
 
@@ -62,13 +70,16 @@ def test_gpu_spec_bad_slot_fails_batch_then_serves(tiny_dir):
     assert eng.allocator.is_full()
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("alg,S,K,N,ps", [("eagle3", 3, 1, 4, 1), ("eagle3", 3, 2, 6, 16),
                                           ("multi_layer_eagle", 3, 1, 4, 16)])
-def test_gpu_families_greedy_equal_plain(deep_dir, alg, S, K, N, ps):
+def test_gpu_families_greedy_equal_plain(deep_dir, alg, S, K, N, ps, graphs):
     sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
     plain = [o.token_ids for o in tiny_engine(deep_dir, device="cuda").generate(PROMPTS, sp)]
     eng = tiny_engine(deep_dir, device="cuda", page_size=ps, max_running_requests=4,
-                      speculative=dict(spec(S, K, N), algorithm=alg))
+                      speculative=dict(spec(S, K, N), algorithm=alg),
+                      disable_cuda_graph=not graphs)
     assert [o.token_ids for o in eng.generate(PROMPTS, sp)] == plain
+    _check_graphs(eng, graphs)
     eng.check_memory()
     assert eng.allocator.is_full()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 13 on the H200 (run from the tree root on the GPU machine, after the first half of the
+# model was copied: see ../shared/tools/stage-smollm2):
+#   bench/h200_issue13.sh bench   # assemble SmolLM2, `eaglekv bench --device cuda`, the floor
+#   bench/h200_issue13.sh tests   # the GPU tests (pytest -m gpu), log under $OUT
+set -uo pipefail
+export PYTHONPATH=.:.carry/pylib
+M=/root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [ ! -f "$M" ] && [ -f .carry/smollm2/b/part.ab ]; then
+  cat /root/smollm2/part.aa .carry/smollm2/b/part.ab > "$M"
+  test "$(md5sum < "$M" | cut -d' ' -f1)" = "$(cat .carry/smollm2/b/md5)" || { echo "bad md5"; exit 1; }
+fi
+case "${1:-bench}" in
+  bench)
+    [ "${FLOOR:-1}" = 1 ] && python3 .carry/graph_floor.py > "$OUT/graph_floor.txt" 2>&1
+    python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 --model "$M" --new-tokens 256 \
+      --repeats 2 --llama8b --out "$OUT" 2>&1 | tail -c 20000 > "$OUT/bench.log"
+    tail -5 "$OUT/bench.log"; cat "$OUT/graph_floor.txt" 2>/dev/null
+    ;;
+  tests)
+    shift
+    python3 -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/server "${@:-tests}" 2>&1 \
+      | tail -c 30000 > "$OUT/gpu_tests.log"
+    tail -30 "$OUT/gpu_tests.log"
+    ;;
+esac

@@ -1,0 +1,103 @@
+"""The CUDA attention backend: Triton kernels over the paged KV cache, no padded gather.
+
+Per layer a forward is two kernels: RoPE on q and k fused with the guarded K/V store
+(`rope_store_qkv`), then attention read straight through the request -> token table
+(`decode_attention` when every request extends by one token, `extend_attention` with the
+causal or tree mask otherwise). Every slot the kernels read or write is checked against the
+pool's size_limit inside the kernel; a bad one is recorded in the device error buffer and
+raised at the step's sync (kernels/guard.py).
+
+Metadata holds device tensors only (its host ints are bounds fixed at construction), so a
+forward over it can be captured in a CUDA graph (cuda_graph.py) and replayed with new values
+copied into the same tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eaglekv.attention.backend import AttentionBackend
+from eaglekv.core import ForwardBatch
+from eaglekv.kernels.attention import decode_attention, default_num_splits, extend_attention
+from eaglekv.kernels.fused import rope_store_qkv
+from eaglekv.memory import KVPool, ReqToTokenPool
+from eaglekv.model.rope import RotaryEmbedding
+
+
+@dataclass
+class TritonAttnMetadata:
+    kv_start: torch.Tensor            # (B,) int64 flat offset of each request's row in the table
+    out_cache_loc: torch.Tensor       # (T,) slots the new tokens' K/V go to
+    kv_len: torch.Tensor | None       # decode: (B,) keys per request (the new one included)
+    prefix_len: torch.Tensor | None = None   # extend: (B,) cached tokens before the window
+    extend_len: torch.Tensor | None = None   # extend: (B,) new tokens
+    q_start: torch.Tensor | None = None      # extend: (B,) first flat query of each request
+    mask: torch.Tensor | None = None         # extend: (B, N, N) tree mask, None = causal
+    max_extend: int = 1
+    num_splits: int | None = None            # decode: split-K of the attention (host bound)
+
+    @property
+    def decode(self) -> bool:
+        return self.kv_len is not None
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool):
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.table = req_to_token.req_to_token.view(-1)                  # flat int32
+        self.width = req_to_token.width
+        dev = kv_pool.k_buffer[0].device
+        self.sm_count = (torch.cuda.get_device_properties(dev).multi_processor_count
+                         if dev.type == "cuda" else 132)
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> TritonAttnMetadata:
+        kv_start = batch.req_pool_indices * self.width
+        if batch.extend_mask is None and all(e == 1 for e in batch.extend_lens_cpu):
+            return self.decode_metadata(kv_start, batch.prefix_lens + 1, batch.out_cache_loc,
+                                        max(batch.prefix_lens_cpu) + 1)
+        q_start = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
+        return TritonAttnMetadata(kv_start=kv_start, out_cache_loc=batch.out_cache_loc,
+                                  kv_len=None, prefix_len=batch.prefix_lens,
+                                  extend_len=batch.extend_lens, q_start=q_start,
+                                  mask=batch.extend_mask, max_extend=max(batch.extend_lens_cpu))
+
+    def decode_metadata(self, kv_start: torch.Tensor, kv_len: torch.Tensor,
+                        out_cache_loc: torch.Tensor, max_kv_len: int) -> TritonAttnMetadata:
+        """One query per request over `kv_len[b]` keys; `max_kv_len` (a host bound, e.g. the
+        context limit in a graph) picks the split-K."""
+        splits = default_num_splits(kv_start.shape[0], self.kv_pool.kv_heads, max_kv_len,
+                                    self.sm_count)
+        return TritonAttnMetadata(kv_start=kv_start, out_cache_loc=out_cache_loc, kv_len=kv_len,
+                                  num_splits=splits)
+
+    def rope_inputs(self, rope: RotaryEmbedding, positions: torch.Tensor):
+        cos, sin = rope.cos_sin()
+        return cos, sin, positions
+
+    def forward_qkv(self, qkv, rope_in, layer, meta: TritonAttnMetadata, scale, num_heads,
+                    num_kv_heads):
+        cos, sin, positions = rope_in
+        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer)
+        q = rope_store_qkv(qkv, cos, sin, positions, k_buf, v_buf, meta.out_cache_loc,
+                           num_heads=num_heads, num_kv_heads=num_kv_heads,
+                           size_limit=self.kv_pool.size_limit, layer=layer)
+        return self.attend(q, layer, meta, scale)
+
+    def forward(self, q, k, v, layer, meta: TritonAttnMetadata, scale):
+        """q, k already rotated: store K/V (guarded), then attend."""
+        self.kv_pool.set_kv_buffer(layer, meta.out_cache_loc, k, v)
+        return self.attend(q, layer, meta, scale)
+
+    def attend(self, q: torch.Tensor, layer: int, meta: TritonAttnMetadata, scale: float):
+        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer)
+        limit = self.kv_pool.size_limit
+        if meta.decode:
+            return decode_attention(q, k_buf, v_buf, self.table, meta.kv_start, meta.kv_len,
+                                    scale, size_limit=limit, num_splits=meta.num_splits,
+                                    layer=layer)
+        return extend_attention(q, k_buf, v_buf, self.table, meta.kv_start, meta.prefix_len,
+                                meta.extend_len, meta.q_start, scale, size_limit=limit,
+                                mask=meta.mask, max_extend=meta.max_extend, layer=layer)

@@ -1,0 +1,274 @@
+"""`eaglekv bench --device cuda`: every row of issue 13's table in one process.
+
+For each mode (plain; EAGLE chain S3/K1/N4 and tree S4/K2/N8 with the shipped draft) and batch
+size (1, 4, 16, 64): total tokens/s of B greedy requests of `new_tokens` each (EOS ignored),
+the accept length, the speculative runner's host time per phase (draft, verify, accept,
+extend), and a profiler pass that counts device kernels and device time per step; HF
+transformers greedy at batch 1 beside them. `--llama8b` adds a Llama-3.1-8B-shaped model with
+random bf16 weights built on the device: its decode step (replayed graph) against the
+weight-streaming roofline at the measured copy bandwidth. JSON + PNG (tokens/s against batch
+size, one line per mode) go to --out (a directory).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from eaglekv.config import EngineConfig, SamplingParams, SpecConfig
+from eaglekv.engine import Engine
+
+PROMPT = "Write a short story about a robot who learns to paint."
+MODES = {"plain": None,
+         "eagle_chain_S3K1N4": dict(num_steps=3, topk=1, num_draft_tokens=4),
+         "eagle_tree_S4K2N8": dict(num_steps=4, topk=2, num_draft_tokens=8)}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def make_engine(args, mode: str, max_batch: int) -> Engine:
+    spec = MODES[mode]
+    sc = SpecConfig() if spec is None else SpecConfig(algorithm="eagle", draft_model=args.draft,
+                                                      **spec)
+    return Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                               max_running_requests=max_batch,
+                               max_total_tokens=max_batch * (args.new_tokens + 64) + 4096,
+                               speculative=sc, disable_cuda_graph=args.disable_cuda_graph))
+
+
+def prompts(engine: Engine, B: int) -> list[list[int]]:
+    """B prompts that differ in their last tokens (token ids for a model without a tokenizer)."""
+    if engine.tokenizer is None:
+        return [[1 + (7 * i + j) % 200 for j in range(12)] for i in range(B)]
+    base = engine.encode(PROMPT)
+    return [base + engine.encode(f" Story {i}.") for i in range(B)]
+
+
+def timed_generate(engine: Engine, ps: list[list[int]], n: int) -> tuple[float, list]:
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    sync()
+    t = time.perf_counter()
+    outs = engine.generate(ps, params)
+    sync()
+    dt = time.perf_counter() - t
+    assert all(len(o.token_ids) == n for o in outs)
+    return len(ps) * n / dt, [o.token_ids for o in outs]
+
+
+def step_profile(engine: Engine, ps: list[list[int]], steps: int = 5) -> dict:
+    """Kernels and device time per engine step while every request decodes."""
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)   # the profile takes ~15 steps
+    reqs = [engine.add_request(p, params) for p in ps]
+    while any(len(r.output_ids) < 3 for r in reqs):
+        engine.step()
+    walls = []
+    for _ in range(steps):
+        sync()
+        t = time.perf_counter()
+        engine.step()
+        sync()
+        walls.append(time.perf_counter() - t)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    for r in reqs:
+        engine.abort(r)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    layers = engine.model_config.num_layers
+    return {"kernels_per_step": len(kernels) / steps,
+            "kernels_per_target_layer": len(kernels) / steps / layers,
+            "device_ms_per_step": sum(e.device_time for e in kernels) / 1e3 / steps,
+            "host_wall_ms_per_step": 1e3 * statistics.median(walls)}
+
+
+def run_mode(args, mode: str, batches: list[int], reference: dict | None) -> dict:
+    engine = make_engine(args, mode, max(batches))
+    out = {}
+    for B in batches:
+        ps = prompts(engine, B)
+        timed_generate(engine, ps, 8)                       # warm-up
+        if engine.worker is not None:
+            engine.worker.reset_stats()
+        runs, toks = [], None
+        for _ in range(args.repeats):
+            tps, toks = timed_generate(engine, ps, args.new_tokens)
+            runs.append(tps)
+        row = {"tokens_per_s": statistics.median(runs), "runs": runs}
+        if engine.worker is not None:
+            st, w = engine.spec_stats(), engine.worker
+            steps = max(st.verify_steps, 1)
+            row["accept_length_mean"] = st.accept_length_mean
+            row["host_ms_per_verify_step"] = {k: 1e3 * v / steps for k, v in w.timings.items()}
+        if reference is not None and B in reference:
+            same = sum(a == b for a, b in zip(toks, reference[B]))
+            row["greedy_identical_to_plain"] = f"{same}/{B} requests"
+        if B in (batches[0], batches[-1]):
+            row["step_profile"] = step_profile(engine, ps)
+        row["_tokens"] = toks
+        out[B] = row
+    graphs = (getattr(engine.runner, "graphs", None)
+              or getattr(engine.runner, "verify_graphs", None))
+    del engine
+    torch.cuda.empty_cache()
+    return {"rows": out, "cuda_graphs": graphs is not None}
+
+
+def hf_row(args, ids: list[int]) -> dict:
+    from eaglekv.bench.e2e import load_hf, time_hf
+    hf = load_hf(args.model, getattr(torch, args.dtype), "cuda")
+    time_hf(hf, ids, 8, "cuda")
+    runs = [time_hf(hf, ids, args.new_tokens, "cuda") for _ in range(args.repeats)]
+    del hf
+    torch.cuda.empty_cache()
+    return {"tokens_per_s": statistics.median(runs), "runs": runs}
+
+
+def copy_bandwidth(nbytes: int = 2**32) -> float:
+    """Device-to-device copy bandwidth, bytes/s (read + write), median of 10."""
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(12):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        sync()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    return nbytes / statistics.median(times[2:])
+
+
+LLAMA8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+               rope_theta=500000.0)
+
+
+def llama8b_row(context: int = 512, steps: int = 50) -> dict:
+    """Decode step of a Llama-3.1-8B shape (random bf16 weights made on the device) replayed
+    as a captured graph at batch 1, against weights / copy bandwidth."""
+    from transformers import AutoConfig
+
+    from eaglekv.attention.triton_backend import TritonAttentionBackend
+    from eaglekv.cuda_graph import DecodeGraphs
+    from eaglekv.memory import KVPool, ReqToTokenPool
+    from eaglekv.model import LlamaForCausalLM
+    from eaglekv.model.config import ModelConfig
+    from eaglekv.model.llama import expected_tensors
+    mc = ModelConfig.from_hf(AutoConfig.for_model("llama", **LLAMA8B))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sd = {}
+    for name, shape in expected_tensors(mc).items():
+        sd[name] = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+                    if len(shape) == 2 else torch.ones(shape, device="cuda", dtype=torch.bfloat16))
+    model = LlamaForCausalLM(mc, sd, torch.bfloat16, "cuda", max_positions=context + steps + 8)
+    del sd
+    torch.cuda.empty_cache()
+    weight_bytes = sum(x.numel() * x.element_size() for layer in model.layers
+                       for x in (layer.qkv, layer.o, layer.gate_up, layer.down)) \
+        + model.lm_head_t.numel() * 2 + (0 if model.embed is None else 4096 * 2)
+    r2t = ReqToTokenPool(1, context + steps + 8, device="cuda")
+    pool = KVPool(context + steps + 8, 1, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                  torch.bfloat16, "cuda")
+    row = r2t.alloc()
+    r2t.req_to_token[row, :context + steps + 8] = torch.arange(
+        1, context + steps + 9, device="cuda", dtype=torch.int32)
+    graphs = DecodeGraphs(model, TritonAttentionBackend(pool, r2t), 1, context + steps + 8,
+                          progress=False)
+    import numpy as np
+    times = []
+    for i in range(steps):
+        pos = context + i
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graphs.replay([7], [pos], [row], np.array([pos + 1]))
+        e1.record()
+        sync()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    step_s = statistics.median(times[5:])
+    bw = copy_bandwidth()
+    roofline_s = weight_bytes / bw
+    out = {"shape": "Llama-3.1-8B (random bf16 weights)", "context": context,
+           "weight_bytes": weight_bytes, "copy_bandwidth_TBps": bw / 1e12,
+           "decode_ms": 1e3 * step_s, "tokens_per_s": 1 / step_s,
+           "roofline_ms": 1e3 * roofline_s, "fraction_of_roofline": roofline_s / step_s}
+    del graphs, model, pool
+    torch.cuda.empty_cache()
+    return out
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode, m in result["modes"].items():
+        bs = sorted(int(b) for b in m["rows"])
+        ax.plot(bs, [m["rows"][b]["tokens_per_s"] for b in bs], marker="o", label=mode)
+    if "hf_transformers" in result:
+        ax.scatter([1], [result["hf_transformers"]["tokens_per_s"]], color="k", marker="x",
+                   label="HF transformers (batch 1)", zorder=3)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("output tokens/s (total)")
+    ax.set_title(f"eaglekv on {result['device']}, {result['model_short']} {result['dtype']}, "
+                 f"{result['date'][:10]}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(args) -> None:
+    batches = [int(b) for b in args.batches.split(",")]
+    modes = [m for m in args.modes.split(",")]
+    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "device": torch.cuda.get_device_name() if args.device.startswith("cuda")
+              else "cpu", "torch": torch.__version__,
+              "model": args.model, "model_short": os.path.basename(str(args.model)),
+              "dtype": args.dtype, "new_tokens": args.new_tokens, "repeats": args.repeats,
+              "command": args.command_line, "modes": {}}
+    reference = None
+    for mode in modes:
+        t = time.perf_counter()
+        m = run_mode(args, mode, batches, reference)
+        if mode == "plain":
+            reference = {B: r["_tokens"] for B, r in m["rows"].items()}
+        for r in m["rows"].values():
+            del r["_tokens"]
+        m["seconds"] = time.perf_counter() - t
+        result["modes"][mode] = m
+        print(json.dumps({mode: {B: r["tokens_per_s"] for B, r in m["rows"].items()}}),
+              flush=True)
+    if "plain" in result["modes"]:
+        plain = result["modes"]["plain"]["rows"]
+        result["speedup_vs_plain"] = {
+            mode: {B: m["rows"][B]["tokens_per_s"] / plain[B]["tokens_per_s"]
+                   for B in m["rows"] if B in plain}
+            for mode, m in result["modes"].items() if mode != "plain"}
+    if not args.no_hf:
+        from eaglekv.model.loader import load_checkpoint
+        ids = load_checkpoint(args.model).tokenizer.encode(PROMPT)
+        result["hf_transformers"] = hf_row(args, ids)
+    if args.llama8b:
+        result["llama8b"] = llama8b_row()
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        stem = os.path.join(args.out, f"gpu_bench_{args.dtype}")
+        with open(stem + ".json", "w") as f:
+            f.write(text + "\n")
+        plot(result, stem + ".png")

@@ -1,0 +1,197 @@
+"""CUDA graphs for the target's forwards: captured at start-up, one per batch bucket,
+replayed by the runners (SGLang's CudaGraphRunner, in small).
+
+A decode step of a small model is bound by the host: ~600 kernel launches from Python take
+50-80 ms on the H200's host for ~1.2 ms of device work. A graph replays them in one call.
+
+`DecodeGraphs` captures the plain decode forward (one token per request -> logits):
+embed -> layers (add+RMSNorm, QKV matmul, RoPE + guarded K/V store, Triton decode attention,
+O matmul, add+RMSNorm, gate/up matmul, SiLU*mul, down matmul) -> final norm -> LM head.
+`VerifyGraphs` captures the speculative verify forward (N tree nodes per request under the
+tree mask -> logits and hidden states). Both run over static device buffers that each replay
+fills. Padded rows (bucket > batch) point at req_to_token's padding row 0 and write their K/V
+into slot 0, the padding page, so a replay never reads or writes a real request's KV.
+
+The guards stay on inside the graphs: every guarded kernel was registered with the KVGuard at
+capture time under a call id of the graph kind's own range (`KVGuard.capturing`; the id is
+baked into the graph); a replay hands the guard those calls (`KVGuard.replaying`), whose
+index tensors are the static buffers holding this replay's values, so an out-of-range slot
+is raised as KVIndexError at the step's one host sync, naming the op, the layer and the
+slot, exactly as without graphs, and after any eager guarded call of the same step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from eaglekv.attention.triton_backend import TritonAttnMetadata
+from eaglekv.kernels.guard import kv_guard
+from eaglekv.model.llama import ModelOutput
+from eaglekv.sampling import valid_argmax
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ..., 64, then every 64 up to `max_batch`, and `max_batch` itself."""
+    out = [b for b in DEFAULT_BUCKETS if b < max_batch]
+    out += list(range(128, max_batch, 64))
+    return tuple(sorted(set(out) | {max_batch}))
+
+
+class CapturedForwards:
+    """One captured forward per batch bucket over static buffers; subclasses say what the
+    forward is (`_forward(b)`) and how a batch fills the buffers."""
+
+    name = "forward"
+    first_call_id = 1 << 20     # this kind's guard call ids (the step's eager ones count from 0)
+
+    def __init__(self, model, backend, max_batch: int):
+        self.model, self.backend = model, backend
+        self.device = model.device
+        self.buckets = batch_buckets(max_batch)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, list]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.replays = 0
+
+    def _forward(self, b: int):
+        raise NotImplementedError
+
+    def capture_all(self, progress: bool) -> None:
+        order = sorted(self.buckets, reverse=True)      # the largest first: its pool is reused
+        if progress:
+            from tqdm import tqdm
+            order = tqdm(order, desc=f"capturing CUDA graphs ({self.name})", unit="graph")
+        guard = kv_guard(self.device)
+        with torch.inference_mode(), guard.step():
+            for b in order:
+                self.graphs[b] = self._capture(b, guard)
+        guard.raise_if_error()    # the warm-ups wrote only the padding page
+
+    def _capture(self, b: int, guard) -> tuple:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):                     # warm-up: Triton compiles, cuBLAS
+            for _ in range(2):
+                self._forward(b)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with guard.capturing(self.first_call_id) as calls, torch.cuda.graph(graph, pool=self.pool):
+            out = self._forward(b)
+        return graph, out, dict(calls)
+
+    def bucket(self, n: int) -> int | None:
+        """The smallest captured batch that holds n rows (None: n is past the largest)."""
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return None
+
+    def _replay(self, b: int):
+        """Replay bucket b (its buffers filled) inside the step's `guarded` context."""
+        graph, out, calls = self.graphs[b]
+        kv_guard(self.device).replaying(calls)
+        graph.replay()
+        self.replays += 1
+        return out
+
+
+class DecodeGraphs(CapturedForwards):
+    """The target's decode forward (one token per request -> logits), captured per bucket."""
+
+    name = "decode"
+    FIELDS = ("ids", "positions", "rows", "slots")
+
+    def __init__(self, model, backend, max_batch: int, max_kv_len: int, progress: bool = True):
+        super().__init__(model, backend, max_batch)
+        self.max_kv_len = max_kv_len
+        n = self.buckets[-1]
+        # one pinned host block and its device twin: a replay is one copy of (4, n) int64
+        self.host = torch.zeros(len(self.FIELDS), n, dtype=torch.int64).pin_memory()
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros(len(self.FIELDS), n, dtype=torch.int64, device=self.device)
+        self.capture_all(progress)
+
+    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, pos, rows, slots = (self.dev[i, :b] for i in range(len(self.FIELDS)))
+        meta = self.backend.decode_metadata(rows * self.backend.width, pos + 1, slots,
+                                            self.max_kv_len)
+        logits = self.model.forward_tokens(ids, pos, self.backend, meta).logits  # (b, V)
+        # the greedy pick and its validity (sampling.valid_argmax), for an all-greedy batch
+        greedy = torch.stack([logits.argmax(-1), valid_argmax(logits).long()], 1)  # (b, 2)
+        return logits, greedy
+
+    def replay(self, ids: list[int], positions: list[int], rows: list[int],
+               slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of n requests -> (n, V) logits and (n, 2) [argmax, argmax is
+        valid] (views of the graph's outputs, valid until the next replay). Call inside the
+        step's `guarded` context."""
+        n = len(ids)
+        b = self.bucket(n)
+        h = self.host_np
+        h[:, n:b] = 0                                     # padding rows: row 0, slot 0
+        h[0, :n], h[1, :n], h[2, :n], h[3, :n] = ids, positions, rows, slots
+        # the host block is not written again before the step's sync: the copy is done then
+        self.dev.copy_(self.host, non_blocking=True)
+        logits, greedy = self._replay(b)
+        return logits[:n], greedy[:n]
+
+
+class VerifyGraphs(CapturedForwards):
+    """The target's verify forward: N tree nodes per request at positions prefix + depth
+    under the tree mask -> logits (B*N, V) and hidden states (and EAGLE-3's captured layer
+    outputs), captured per bucket."""
+
+    name = "verify"
+    first_call_id = 2 << 20
+
+    def __init__(self, model, backend, max_batch: int, num_tokens: int,
+                 capture_layers: tuple[int, ...] = (), progress: bool = True):
+        super().__init__(model, backend, max_batch)
+        N, n, dev = num_tokens, self.buckets[-1], self.device
+        self.N, self.capture_layers = N, tuple(capture_layers)
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
+        self.ids, self.positions, self.out_cache_loc = z(n * N), z(n * N), z(n * N)
+        self.rows, self.prefix = z(n), z(n)
+        self.extend_len = torch.full((n,), N, dtype=torch.int64, device=dev)
+        self.q_start = torch.arange(n, device=dev) * N
+        self.eye = torch.eye(N, dtype=torch.bool, device=dev)
+        self.mask = self.eye.expand(n, N, N).clone()     # padding rows: each node sees itself
+        self.capture_all(progress)
+
+    def _forward(self, b: int) -> ModelOutput:
+        T = b * self.N
+        meta = TritonAttnMetadata(kv_start=self.rows[:b] * self.backend.width,
+                                  out_cache_loc=self.out_cache_loc[:T], kv_len=None,
+                                  prefix_len=self.prefix[:b], extend_len=self.extend_len[:b],
+                                  q_start=self.q_start[:b], mask=self.mask[:b],
+                                  max_extend=self.N)
+        return self.model.forward_tokens(self.ids[:T], self.positions[:T], self.backend, meta,
+                                         return_hidden=True,
+                                         capture_layers=self.capture_layers)
+
+    def run(self, input_ids, positions, rows, prefix_lens, out_cache_loc,
+            mask) -> ModelOutput:
+        """input_ids, positions, out_cache_loc: (n*N,); rows, prefix_lens: (n,); mask
+        (n, N, N) bool, all on the device -> the forward's output for the n requests (views
+        of the graph's buffers, valid until the next replay)."""
+        n, N = rows.shape[0], self.N
+        b = self.bucket(n)
+        T, Tb = n * N, b * N
+        for dst, src in ((self.ids, input_ids), (self.positions, positions),
+                         (self.out_cache_loc, out_cache_loc)):
+            dst[:T].copy_(src)
+            dst[T:Tb].zero_()                             # padding: position 0, slot 0
+        self.rows[:n].copy_(rows)
+        self.prefix[:n].copy_(prefix_lens)
+        self.mask[:n].copy_(mask)
+        if b > n:
+            self.rows[n:b].zero_()                        # req_to_token's padding row
+            self.prefix[n:b].zero_()
+            self.mask[n:b].copy_(self.eye)
+        out = self._replay(b)
+        return ModelOutput(logits=out.logits[:T], hidden=out.hidden[:T],
+                           aux_hidden=[a[:T] for a in out.aux_hidden]
+                           if out.aux_hidden is not None else None)

@@ -1,0 +1,113 @@
+"""The captured decode graphs (cuda_graph.py): the same tokens as the eager step and the CPU,
+padded rows that touch no request's KV, and the guards still on inside a replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eaglekv import KVIndexError, SamplingParams
+from eaglekv.cuda_graph import batch_buckets
+from helpers import tiny_engine
+
+SP = SamplingParams(max_new_tokens=16, ignore_eos=True)
+PROMPTS = [[5, 17, 42], list(range(1, 30)), [9] * 7]
+
+
+def test_buckets_cover_every_batch():
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(8) == (1, 2, 4, 8)
+    assert batch_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
+    b = batch_buckets(300)
+    assert b[:7] == (1, 2, 4, 8, 16, 32, 64) and b[-3:] == (192, 256, 300)
+    assert all(any(x >= n for x in b) for n in range(1, 301))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("opts", [{}, {"page_size": 16}, {"disable_cuda_graph": True},
+                                  {"attention_backend": "torch"}],
+                         ids=["graphs", "graphs-page16", "eager-triton", "eager-torch"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_equals_cpu(tiny_dir, opts, batch):
+    prompts = PROMPTS[:batch]
+    cpu = [o.token_ids for o in tiny_engine(tiny_dir).generate(prompts, SP)]
+    engine = tiny_engine(tiny_dir, device="cuda", max_running_requests=4, **opts)
+    assert [o.token_ids for o in engine.generate(prompts, SP)] == cpu
+    graphs = engine.runner.graphs
+    if opts in ({}, {"page_size": 16}):
+        assert graphs is not None and graphs.replays >= SP.max_new_tokens - 1
+    else:
+        assert graphs is None
+    engine.check_memory()
+
+
+def _kv_snapshot(engine):
+    return [b.clone() for b in engine.kv_pool.k_buffer + engine.kv_pool.v_buffer]
+
+
+def _decoding(engine, prompts):
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    while any(len(r.output_ids) < 2 for r in reqs):      # prefill done, decoding
+        engine.step()
+    return reqs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_padded_rows_touch_no_request_kv(tiny_dir, page_size):
+    """3 requests replay the 4-row graph: the padding row writes only the padding page."""
+    engine = tiny_engine(tiny_dir, device="cuda", max_running_requests=8, page_size=page_size)
+    reqs = _decoding(engine, PROMPTS)
+    before, replays = _kv_snapshot(engine), engine.runner.graphs.replays
+    engine.step()
+    assert engine.runner.graphs.replays == replays + 1
+    new = {r.last_slot for r in reqs}
+    changed = set()
+    for a, b in zip(before, _kv_snapshot(engine)):
+        changed |= set((a != b).flatten(1).any(1).nonzero().view(-1).tolist())
+    assert changed - set(range(page_size)) == new       # the padding page may be written
+    assert new <= changed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("where", ["table", "slot"])
+def test_guard_inside_replayed_graph(tiny_dir, where):
+    """A corrupted req_to_token entry (read by attention) or new slot (written by the K/V
+    store) inside a replay: KVIndexError at the step's sync, nothing written out of range,
+    the engine serves the next request exactly."""
+    engine = tiny_engine(tiny_dir, device="cuda", max_running_requests=4, max_total_tokens=256)
+    ref = engine.generate([PROMPTS[0]], SP)[0].token_ids
+    reqs = _decoding(engine, PROMPTS[:2])
+    limit = engine.kv_pool.size_limit
+    before = _kv_snapshot(engine)
+    if where == "table":
+        engine.req_to_token.req_to_token[reqs[1].row, 1] = limit + 7
+        match = rf"slot {limit + 7} out of range \[0, {limit}\)"
+    else:
+        real = engine.allocator.alloc
+
+        def bad(n, seq_len=0, last_slot=-1):
+            s = real(n, seq_len, last_slot)
+            engine.allocator.free(s)
+            engine.allocator.alloc = real
+            return torch.full_like(s, limit)
+        engine.allocator.alloc = bad
+        match = rf"slot {limit} out of range \[0, {limit}\)"
+    replays = engine.runner.graphs.replays
+    with pytest.raises(KVIndexError, match=match):
+        engine.step()
+    assert engine.runner.graphs.replays == replays + 1        # it was the graph that refused
+    # the refused store wrote nothing: at most the other request's new row (and the padding
+    # page) changed; a write at `limit` would be past the buffer (memcheck runs these tests)
+    changed = set()
+    for a, b in zip(before, _kv_snapshot(engine)):
+        changed |= set((a != b).flatten(1).any(1).nonzero().view(-1).tolist())
+    assert len(changed - set(range(engine.config.page_size))) <= (1 if where == "slot" else 2)
+    assert all(r.finished for r in reqs)
+    assert engine.allocator.is_full()
+    assert engine.generate([PROMPTS[0]], SP)[0].token_ids == ref
+    engine.check_memory()
