@@ -139,8 +139,12 @@ class Scheduler:
         """Slots for each request's next `n` pending tokens, written into req_to_token; the
         plan holds those still running (allocation may preempt). A request has all its
         tokens in the cache (and samples) when `req.kv_len == len(req.all_ids)`."""
+        decode = self._plan_decodes([req for req, n in takes if n == 1])
         planned = []
         for req, n in takes:
+            if req in decode:        # one token: its slot taken and written with the others
+                planned.append((req, *decode[req]))
+                continue
             if req not in self.running:  # preempted to make room for an earlier one
                 continue
             ids, prefix = req.pending_ids[:n], req.kv_len
@@ -149,9 +153,30 @@ class Scheduler:
                 self.device, torch.int32)
             req.kv_len, req.last_slot = prefix + len(ids), int(s[-1])  # owned from here on
             planned.append((req, ids, prefix, s))
-        planned = [p for p in planned if p[0] in self.running]
+        running = set(self.running)
+        planned = [p for p in planned if p[0] in running]
         return StepPlan("extend", [p[0] for p in planned], ids=[p[1] for p in planned],
                         prefix_lens=[p[2] for p in planned], slots=[p[3] for p in planned])
+
+    def _plan_decodes(self, reqs: list[Req]) -> dict[Req, tuple[list[int], int, torch.Tensor]]:
+        """The requests that extend by one token, in one go: a slot each (one allocator call)
+        and their req_to_token entries (one write), {req: (ids, prefix, slot tensor [1])}. Empty
+        when they do not all fit: the per-request path then allocates, preempting as needed."""
+        if len(reqs) < 2:
+            return {}
+        try:
+            slots = self.allocator.alloc_decode([r.kv_len for r in reqs],
+                                                [r.last_slot for r in reqs])
+        except OutOfKVMemoryError:
+            return {}
+        rows = torch.tensor([[r.row, r.kv_len] for r in reqs], dtype=torch.int64)  # (n, 2)
+        where = torch.cat([rows, slots[:, None]], 1).to(self.device)               # one copy
+        self.req_to_token.req_to_token[where[:, 0], where[:, 1]] = where[:, 2].to(torch.int32)
+        out = {}
+        for r, s in zip(reqs, slots.view(-1, 1)):
+            out[r] = (r.pending_ids[:1], r.kv_len, s)
+            r.kv_len, r.last_slot = r.kv_len + 1, int(s)       # owned from here on
+        return out
 
     def _alloc_extend(self, req: Req, n: int) -> torch.Tensor:
         while True:

@@ -71,16 +71,23 @@ def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     """Reference: the model's `residual = x if residual is None else residual + x` (the add
     rounds to the dtype) then `F.rms_norm(residual, w, eps)`."""
     _check_add_rms_norm(x, residual, weight)
+    return _add_rms_norm_ops(x, residual, weight, eps)
+
+
+def _add_rms_norm_ops(x, residual, weight, eps):
     new_residual = x if residual is None else residual + x                  # (T, H)
     return F.rms_norm(new_residual, weight.shape, weight, eps), new_residual
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, *, checked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: (T, H) (residual None: a plain RMSNorm, new_residual is x itself); weight
     (H,). Returns (normed, new_residual), both (T, H) in x's dtype. Triton: H <= 8192
-    (`fused_triton.MAX_HIDDEN`), any strides."""
+    (`fused_triton.MAX_HIDDEN`), any strides. `checked=False` skips the argument checks of
+    the torch path (the model's hot path on CPU, whose shapes hold by construction)."""
     if not use_triton(x):
+        if not checked:
+            return _add_rms_norm_ops(x, residual, weight, eps)
         return add_rms_norm_torch(x, residual, weight, eps)
     return _triton_impl().add_rms_norm_triton(x, residual, weight, float(eps),
                                               _check_add_rms_norm)
@@ -98,15 +105,19 @@ def _check_silu_and_mul(gate_up) -> None:
 def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     """Reference: `F.silu(gate) * up` in the tensor dtype (two roundings)."""
     _check_silu_and_mul(gate_up)
+    return _silu_and_mul_ops(gate_up)
+
+
+def _silu_and_mul_ops(gate_up):
     gate, up = gate_up.chunk(2, -1)                                         # (T, I) each
     return F.silu(gate) * up
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, *, checked: bool = True) -> torch.Tensor:
     """gate_up (T, 2I) = [gate | up] -> silu(gate) * up (T, I); Triton computes in fp32 and
-    rounds once."""
+    rounds once. `checked=False`: as in `add_rms_norm`."""
     if not use_triton(gate_up):
-        return silu_and_mul_torch(gate_up)
+        return silu_and_mul_torch(gate_up) if checked else _silu_and_mul_ops(gate_up)
     return _triton_impl().silu_and_mul_triton(gate_up, _check_silu_and_mul)
 
 

@@ -91,6 +91,38 @@ class SlotAllocator:
         self._page_count.index_add_(0, slots // ps, torch.ones_like(slots))
         return slots
 
+    def alloc_decode(self, seq_lens: list[int], last_slots: list[int]) -> torch.Tensor:
+        """One slot each for n requests' next token, as int64 `[n]`, all or nothing: what
+        `alloc(1, seq_lens[i], last_slots[i])` gives, for the whole decode batch in a few
+        vector ops instead of n calls. Raises OutOfKVMemoryError (nothing taken) when the
+        new pages do not fit."""
+        ps, n = self.page_size, len(seq_lens)
+        seq = torch.tensor(seq_lens, dtype=torch.int64)                        # (n,)
+        fresh = seq % ps == 0                                                  # needs a page
+        k = int(fresh.sum())
+        if k > len(self._free_pages):
+            raise OutOfKVMemoryError(k * ps, self.available_slots(), self.size)
+        slots = torch.empty(n, dtype=torch.int64)
+        if k < n:   # the others continue in their last page, right after last_slot
+            last = torch.tensor(last_slots, dtype=torch.int64)[~fresh]
+            want = last + 1
+            bad = ((last < ps) | (last >= self.size + ps) | (last % ps != (seq[~fresh] - 1) % ps))
+            if not bad.any():
+                bad = ~self._used[last] | self._used[want]
+            if bad.any():
+                i = int(bad.nonzero()[0])
+                raise AllocatorError(f"decode alloc: last_slot={int(last[i])} is not the in-use "
+                                     f"slot before a free one (seq_len="
+                                     f"{int(seq[~fresh][i])}, page_size={ps})")
+            slots[~fresh] = want
+        if k:
+            pages = torch.tensor([heapq.heappop(self._free_pages) for _ in range(k)],
+                                 dtype=torch.int64)
+            slots[fresh] = pages * ps
+        self._used[slots] = True
+        self._page_count.index_add_(0, slots // ps, torch.ones_like(slots))
+        return slots
+
     def free(self, slots: torch.Tensor) -> None:
         """Return slots; raises (freeing nothing) on a foreign or already-free slot."""
         slots = slots.reshape(-1).to(torch.int64).cpu()

@@ -93,7 +93,8 @@ class DecoderLayer:
             residual = x if residual is None else residual + x
             h = residual
         else:
-            h, residual = add_rms_norm(x, residual, self.input_norm, cfg.rms_norm_eps)
+            h, residual = add_rms_norm(x, residual, self.input_norm, cfg.rms_norm_eps,
+                                       checked=False)
         T, H, Hkv, D = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = linear(h, self.qkv, self.qkv_bias).view(T, H + 2 * Hkv, D)  # (T, H+2Hkv, D)
         if self.q_norm is not None:
@@ -103,8 +104,8 @@ class DecoderLayer:
         # RoPE on q and k, K/V into the cache, attention: (T, H, D)
         attn = backend.forward_qkv(qkv, rope, layer_id, meta, D ** -0.5, H, Hkv)
         x = linear(attn.reshape(T, cfg.q_size), self.o)
-        h, residual = add_rms_norm(x, residual, self.post_norm, cfg.rms_norm_eps)
-        return linear(silu_and_mul(linear(h, self.gate_up)), self.down), residual
+        h, residual = add_rms_norm(x, residual, self.post_norm, cfg.rms_norm_eps, checked=False)
+        return linear(silu_and_mul(linear(h, self.gate_up), checked=False), self.down), residual
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

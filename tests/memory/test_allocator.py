@@ -469,3 +469,50 @@ def test_r2t_random_ops():
         p.free(r)
     p.check_integrity()
     assert p.free_rows == 6 and not p.req_to_token.any()
+
+
+# ---- the decode batch in one call ----------------------------------------------------------------
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_alloc_decode_equals_one_by_one(ps, seed):
+    """alloc_decode over a batch hands out what n alloc(1) calls would (the same slots when the
+    free pages are taken in the same order) and leaves the same books."""
+    rng = random.Random(seed)
+    a, b = SlotAllocator(64 * ps, ps), SlotAllocator(64 * ps, ps)
+    lens = [rng.randint(1, 2 * ps) for _ in range(4)]
+    last = []
+    for n in lens:                      # the same prefills on both
+        s1, s2 = a.alloc(n), b.alloc(n)
+        assert torch.equal(s1, s2)
+        last.append(int(s1[-1]))
+    for _ in range(2 * ps + 1):         # decode steps, across page ends
+        batch = a.alloc_decode(lens, last)
+        one = torch.cat([b.alloc(1, n, s) for n, s in zip(lens, last)])
+        assert torch.equal(batch, one)
+        lens = [n + 1 for n in lens]
+        last = batch.tolist()
+        assert_same_state(a, snapshot(b))
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_alloc_decode_out_of_memory_takes_nothing(ps):
+    a = SlotAllocator(2 * ps, ps)
+    s = a.alloc(ps)                     # page 1 full
+    t = a.alloc(ps)                     # page 2 full: both requests need a new page
+    snap = snapshot(a)
+    with pytest.raises(OutOfKVMemoryError):
+        a.alloc_decode([ps, ps], [int(s[-1]), int(t[-1])])
+    assert_same_state(a, snap)
+
+
+@pytest.mark.parametrize("ps", [4, 16])
+@pytest.mark.parametrize("last", ["padding", "free_slot", "out_of_range", "wrong_offset"])
+def test_alloc_decode_bad_last_slot_raises(ps, last):
+    a = SlotAllocator(4 * ps, ps)
+    s = a.alloc(2)
+    bad = {"padding": 0, "free_slot": int(s[1]) + 1, "out_of_range": 5 * ps,
+           "wrong_offset": int(s[0])}[last]
+    snap = snapshot(a)
+    with pytest.raises(AllocatorError, match="last_slot"):
+        a.alloc_decode([2], [bad])
+    assert_same_state(a, snap)
