@@ -37,6 +37,7 @@ class TritonAttnMetadata:
     mask: torch.Tensor | None = None         # extend: (B, N, N) tree mask, None = causal
     max_extend: int = 1
     num_splits: int | None = None            # decode: split-K of the attention (host bound)
+    table: torch.Tensor | None = None        # the slot table, if not req_to_token (draft)
 
     @property
     def decode(self) -> bool:
@@ -73,6 +74,24 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonAttnMetadata(kv_start=kv_start, out_cache_loc=out_cache_loc, kv_len=kv_len,
                                   num_splits=splits)
 
+    def init_decode_metadata(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                             kv_lens: tuple[int, ...], out_cache_loc: torch.Tensor
+                             ) -> TritonAttnMetadata:
+        """One query per sequence i over the slots `kv_indices[kv_indptr[i] : + kv_lens[i]]`
+        (the draft's branches, lists from `generate_draft_decode_kv_indices`)."""
+        n = len(kv_lens)
+        kv_len = torch.tensor(kv_lens, dtype=torch.int64).to(kv_indices.device, non_blocking=True)
+        return self.indexed_decode_metadata(kv_indptr[:n], kv_indices, kv_len, out_cache_loc,
+                                            max(kv_lens))
+
+    def indexed_decode_metadata(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                                kv_len: torch.Tensor, out_cache_loc: torch.Tensor,
+                                max_kv_len: int) -> TritonAttnMetadata:
+        """As `init_decode_metadata` with the lengths on the device (n,) and a host bound."""
+        meta = self.decode_metadata(kv_indptr, kv_len, out_cache_loc, max_kv_len)
+        meta.table = kv_indices
+        return meta
+
     def rope_inputs(self, rope: RotaryEmbedding, positions: torch.Tensor):
         cos, sin = rope.cos_sin()
         return cos, sin, positions
@@ -95,7 +114,8 @@ class TritonAttentionBackend(AttentionBackend):
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer)
         limit = self.kv_pool.size_limit
         if meta.decode:
-            return decode_attention(q, k_buf, v_buf, self.table, meta.kv_start, meta.kv_len,
+            table = self.table if meta.table is None else meta.table
+            return decode_attention(q, k_buf, v_buf, table, meta.kv_start, meta.kv_len,
                                     scale, size_limit=limit, num_splits=meta.num_splits,
                                     layer=layer)
         return extend_attention(q, k_buf, v_buf, self.table, meta.kv_start, meta.prefix_len,

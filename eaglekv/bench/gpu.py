@@ -161,7 +161,7 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
     from transformers import AutoConfig
 
     from eaglekv.attention.triton_backend import TritonAttentionBackend
-    from eaglekv.cuda_graph import DecodeGraphs
+    from eaglekv.cuda_graph import DecodeGraphs, VerifyGraphs
     from eaglekv.memory import KVPool, ReqToTokenPool
     from eaglekv.model import LlamaForCausalLM
     from eaglekv.model.config import ModelConfig
@@ -184,8 +184,8 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
     row = r2t.alloc()
     r2t.req_to_token[row, :context + steps + 8] = torch.arange(
         1, context + steps + 9, device="cuda", dtype=torch.int32)
-    graphs = DecodeGraphs(model, TritonAttentionBackend(pool, r2t), 1, context + steps + 8,
-                          progress=False)
+    backend = TritonAttentionBackend(pool, r2t)
+    graphs = DecodeGraphs(model, backend, 1, context + steps + 8, progress=False)
     import numpy as np
     times = []
     for i in range(steps):
@@ -197,13 +197,32 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
         sync()
         times.append(e0.elapsed_time(e1) / 1e3)
     step_s = statistics.median(times[5:])
+    verify = {}
+    for N in (4, 8, 16):   # one verify of N chain nodes vs one decode step, both replayed
+        vg = VerifyGraphs(model, backend, 1, N, progress=False)
+        pos = torch.arange(context, context + N, device="cuda")
+        mask = torch.ones(N, N, dtype=torch.bool, device="cuda").tril()[None]
+        args = (torch.full((N,), 7, device="cuda"), pos, torch.tensor([row], device="cuda"),
+                torch.tensor([context], device="cuda"), pos + 1, mask)
+        vt = []
+        for _ in range(25):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            vg.run(*args)
+            e1.record()
+            sync()
+            vt.append(e0.elapsed_time(e1) / 1e3)
+        verify[N] = {"ms": 1e3 * statistics.median(vt[5:]),
+                     "x_decode_step": statistics.median(vt[5:]) / step_s}
+        del vg
     bw = copy_bandwidth()
     roofline_s = weight_bytes / bw
     out = {"shape": "Llama-3.1-8B (random bf16 weights)", "context": context,
            "weight_bytes": weight_bytes, "copy_bandwidth_TBps": bw / 1e12,
            "decode_ms": 1e3 * step_s, "tokens_per_s": 1 / step_s,
-           "roofline_ms": 1e3 * roofline_s, "fraction_of_roofline": roofline_s / step_s}
-    del graphs, model, pool
+           "roofline_ms": 1e3 * roofline_s, "fraction_of_roofline": roofline_s / step_s,
+           "verify_vs_decode": verify}
+    del graphs, model, pool, backend
     torch.cuda.empty_cache()
     return out
 

@@ -60,18 +60,23 @@ class EagleDrafter(Drafter):
     """The EAGLE-1/2 head: its one-layer KV pool shares slot ids with the target's."""
 
     def __init__(self, model, size: int, page_size: int, req_to_token: ReqToTokenPool,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, backend_cls=TorchAttentionBackend):
+        """`backend_cls`: the target's attention backend class (Triton on CUDA)."""
         self.model = model
         layers, kv_heads, head_dim = model.kv_shape()
         self.kv_pool = KVPool(size, page_size, layers, kv_heads, head_dim, dtype, device)
-        self.backend = TorchAttentionBackend(self.kv_pool, req_to_token)
+        self.backend = backend_cls(self.kv_pool, req_to_token)
 
     def extend(self, batch, hidden, contexts=None) -> DraftOut:
+        return self.extend_window(batch, hidden, batch.last_token_indices)
+
+    def extend_window(self, batch, hidden, idx: torch.Tensor) -> DraftOut:
+        """The draft over `batch` (hidden (T, H)); the distribution and hidden state at the
+        flat token indices `idx` (B,): each request's last committed position."""
         meta = self.backend.init_forward_metadata(batch)
-        last = batch.last_token_indices                                   # (B,)
         out = self.model.forward(batch.input_ids, batch.positions, hidden, self.backend, meta,
-                                 logits_indices=last)
-        return DraftOut(out.logits, out.hidden[last])
+                                 logits_indices=idx)
+        return DraftOut(out.logits, out.hidden[idx])
 
     def decode_metadata(self, step, kv_indptr, kv_indices, kv_lens, out_cache_loc):
         return self.backend.init_decode_metadata(kv_indptr, kv_indices, kv_lens, out_cache_loc)
@@ -87,15 +92,16 @@ class Eagle3Drafter(EagleDrafter):
     into the target vocabulary (-inf elsewhere), so a token outside the draft vocabulary has
     draft probability 0 and can never be proposed, and acceptance stays exact."""
 
-    def __init__(self, model, size, page_size, req_to_token, dtype, device, num_target_layers):
-        super().__init__(model, size, page_size, req_to_token, dtype, device)
+    def __init__(self, model, size, page_size, req_to_token, dtype, device, num_target_layers,
+                 backend_cls=TorchAttentionBackend):
+        super().__init__(model, size, page_size, req_to_token, dtype, device, backend_cls)
         self.capture_layers = tuple(model.aux_layers(num_target_layers))
 
     def features(self, out) -> torch.Tensor:
         return torch.cat(out.aux_hidden, -1)                              # (T, 3H)
 
-    def extend(self, batch, hidden, contexts=None) -> DraftOut:
-        out = super().extend(batch, hidden, contexts)
+    def extend_window(self, batch, hidden, idx) -> DraftOut:
+        out = super().extend_window(batch, hidden, idx)
         return DraftOut(self.model.to_target_logits(out.logits), out.hidden)
 
     def decode(self, tokens, positions, hidden, meta, contexts=None) -> DraftOut:

@@ -42,6 +42,9 @@ class EagleWorker:
         self.target = ModelRunner(res)
         self.loop = DraftLoop(drafter, self.S, self.K)
         self.slots = DraftSlots(res, drafter, spec)
+        # the draft extend runs over the whole verify window before the step's sync (fixed
+        # shape, one round trip less), on CUDA; after the sync over the accepted tokens on CPU
+        self.window_extend = bool(res.cuda_graph_max_bs)
         self.verify_graphs = None
         if res.cuda_graph_max_bs:    # the verify forward, captured per batch bucket
             from eaglekv.cuda_graph import VerifyGraphs
@@ -258,9 +261,29 @@ class EagleWorker:
         return out
 
     def _extend_window(self, reqs, res, committed, feats, vslots, seq_lens):
-        """Hook: a worker may run the draft over the whole verify window before the sync
-        (multi-layer EAGLE does); returns a DraftOut of the next roots, or None."""
-        return None
+        """The draft over the whole verify window before the sync, when `window_extend`:
+        window position j of request b sits at L_b + j, input token committed[b, j] (the
+        accepted tokens, then the bonus, then filler 0 whose K/V land in verify slots freed
+        right after) with the target feature of the accepted node at depth j; the next root
+        is position L_b + accept_len. Returns a DraftOut of the next roots, or None (the
+        draft then extends over the accepted tokens after the sync)."""
+        if not self.window_extend or not hasattr(self.drafter, "extend_window"):
+            return None
+        B = vslots.shape[0]
+        W = min(self.S, self.N - 1) + 1                  # the most tokens a step commits
+        dev = vslots.device
+        cols = torch.arange(W, device=dev)
+        path = res.path[:, :W].clamp(min=0)                                       # (B, W)
+        hidden = feats.gather(1, path[:, :, None].expand(B, W, feats.shape[-1]))  # (B, W, Hf)
+        batch = ForwardBatch(input_ids=committed[:, :W].clamp(min=0).reshape(-1),
+                             positions=(seq_lens[:, None] + cols[None, :]).reshape(-1),
+                             req_pool_indices=torch.tensor([r.row for r in reqs], device=dev),
+                             prefix_lens=seq_lens, extend_lens=torch.full((B,), W, device=dev),
+                             out_cache_loc=vslots[:, :W].reshape(-1),
+                             prefix_lens_cpu=tuple(r.kv_len for r in reqs),
+                             extend_lens_cpu=(W,) * B)
+        idx = torch.arange(B, device=dev) * W + res.accept_len                    # (B,)
+        return self.drafter.extend_window(batch, hidden.reshape(B * W, -1), idx)
 
     def _count(self, accepted: int) -> None:
         """Engine-wide counters (each request's own are counted when its result is committed)."""

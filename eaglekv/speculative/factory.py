@@ -88,12 +88,13 @@ def _pool_args(res: RunnerResources) -> tuple:
 
 def _eagle_drafter(res, spec, ckpt):
     model = EagleDraftModel(ckpt.config, ckpt.state_dict, res.model, res.dtype, res.device)
-    return EagleDrafter(model, *_pool_args(res))
+    return EagleDrafter(model, *_pool_args(res), backend_cls=type(res.backend))
 
 
 def _eagle3_drafter(res, spec, ckpt):
     model = Eagle3DraftModel(ckpt.config, ckpt.state_dict, res.model, res.dtype, res.device)
-    return Eagle3Drafter(model, *_pool_args(res), num_target_layers=res.num_target_layers)
+    return Eagle3Drafter(model, *_pool_args(res), num_target_layers=res.num_target_layers,
+                         backend_cls=type(res.backend))
 
 
 def _multi_layer_drafter(res, spec, ckpt):
