@@ -75,16 +75,19 @@ class DraftLoop:
 
     def run(self, reqs, root_logits: torch.Tensor, root_hidden: torch.Tensor | None,
             seq_lens: torch.Tensor, slots: torch.Tensor, decode_meta, contexts_of,
-            reorder_kv) -> CandidatePool:
+            reorder_kv, live: torch.Tensor | None = None) -> CandidatePool:
         """root_logits (B, V) / root_hidden (B, H): the draft's output at each request's last
         committed position. slots (B, K, S): draft write slots, step i writes [:, :, i].
-        decode_meta(step, kv_lens) -> attention metadata of draft forward `step`.
+        decode_meta(step, kv_lens, kv_len) -> attention metadata of draft forward `step`
+        (kv_lens on the host, kv_len (B*K,) the same on the device).
         contexts_of(paths (B, K, d)) -> per-branch token contexts (scripted drafters only).
-        reorder_kv(dst (B, K, i), src (B, K, i)): copy the draft KV of branch paths."""
+        reorder_kv(dst (B, K, i), src (B, K, i)): copy the draft KV of branch paths.
+        `reqs` None: a CUDA graph capture of a greedy batch (nothing read on the host); then
+        `live` (B,) int64 is 1 for a real row and 0 for a padded one, which reads no key."""
         S, K = self.S, self.K
         B = root_logits.shape[0]
         dev = root_logits.device
-        sample_chain = K == 1 and any(not r.params.greedy for r in reqs)
+        sample_chain = reqs is not None and K == 1 and any(not r.params.greedy for r in reqs)
         tok, score, q = self._choose(root_logits, reqs, sample_chain)     # (B, K) each
         pool_tok, pool_score = [tok], [score]
         pool_parent = [torch.full((B, K), -1, dtype=torch.int64, device=dev)]
@@ -92,11 +95,14 @@ class DraftLoop:
         branch_pool = torch.arange(K, device=dev).expand(B, K)             # (B, K) pool index
         hidden = None if root_hidden is None else root_hidden[:, None].expand(B, K, -1)
         paths = tok[:, :, None]                                            # (B, K, 1)
-        lens_host = [r.kv_len for r in reqs]
+        lens_host = None if reqs is None else [r.kv_len for r in reqs]
+        kv_base = seq_lens if live is None else seq_lens * live             # (B,)
         for i in range(1, S):
             step = i - 1                  # draft forward `step` sees it = i draft tokens
-            kv_lens = tuple(lb + i for lb in lens_host for _ in range(K))
-            meta = decode_meta(step, kv_lens)
+            kv_lens = None if reqs is None else tuple(lb + i for lb in lens_host
+                                                      for _ in range(K))
+            kv_len = kv_base + i if live is None else kv_base + i * live   # (B,)
+            meta = decode_meta(step, kv_lens, kv_len.repeat_interleave(K))
             positions = (seq_lens + i - 1)[:, None].expand(B, K).reshape(-1)  # (B*K,)
             ctx = contexts_of(paths) if self.drafter.needs_contexts else None
             out = self.drafter.decode(tok.reshape(-1), positions,

@@ -52,7 +52,11 @@ class Drafter:
                meta, contexts: list[list[int]] | None) -> DraftOut:
         raise NotImplementedError
 
-    def decode_metadata(self, step, kv_indptr, kv_indices, kv_lens, out_cache_loc):
+    def decode_metadata(self, step, kv_indptr, kv_indices, kv_lens, out_cache_loc,
+                        kv_len=None):
+        """Attention metadata of draft forward `step`: sequence i over
+        `kv_indices[kv_indptr[i] : + kv_lens[i]]`. `kv_lens` is a host tuple (None inside a
+        CUDA graph capture), `kv_len` the same lengths on the device, (n,) int64."""
         return None
 
 
@@ -66,6 +70,7 @@ class EagleDrafter(Drafter):
         layers, kv_heads, head_dim = model.kv_shape()
         self.kv_pool = KVPool(size, page_size, layers, kv_heads, head_dim, dtype, device)
         self.backend = backend_cls(self.kv_pool, req_to_token)
+        self.max_kv_len = req_to_token.width          # a host bound on any draft sequence
 
     def extend(self, batch, hidden, contexts=None) -> DraftOut:
         return self.extend_window(batch, hidden, batch.last_token_indices)
@@ -78,7 +83,13 @@ class EagleDrafter(Drafter):
                                  logits_indices=idx)
         return DraftOut(out.logits, out.hidden[idx])
 
-    def decode_metadata(self, step, kv_indptr, kv_indices, kv_lens, out_cache_loc):
+    def decode_metadata(self, step, kv_indptr, kv_indices, kv_lens, out_cache_loc,
+                        kv_len=None):
+        if kv_len is not None and hasattr(self.backend, "indexed_decode_metadata"):
+            # the lengths stay on the device; the split count needs only a host bound
+            bound = max(kv_lens) if kv_lens is not None else self.max_kv_len
+            return self.backend.indexed_decode_metadata(kv_indptr[:kv_len.shape[0]], kv_indices,
+                                                        kv_len, out_cache_loc, bound)
         return self.backend.init_decode_metadata(kv_indptr, kv_indices, kv_lens, out_cache_loc)
 
     def decode(self, tokens, positions, hidden, meta, contexts=None) -> DraftOut:

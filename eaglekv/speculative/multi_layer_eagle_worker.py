@@ -70,7 +70,8 @@ class MultiLayerEagleDraftWorker(Drafter):
     def extend_window(self, batch, hidden, idx) -> DraftOut:
         return self._all_layers(batch, hidden, idx)
 
-    def decode_metadata(self, step, kv_indptr, kv_indices, kv_lens, out_cache_loc):
+    def decode_metadata(self, step, kv_indptr, kv_indices, kv_lens, out_cache_loc,
+                        kv_len=None):
         """Layer step + 1 sees the committed prefix and its own new slot only: the earlier
         chain tokens went through other layers, so its pool holds nothing for them."""
         dev = kv_indices.device

@@ -45,10 +45,11 @@ class DraftBatch:
         self.slots = slots            # (B, K, S) int64 on the device: step i writes [:, :, i]
         self.owned = owned            # cpu slot tensors to free after drafting
 
-    def decode_meta(self, step: int, kv_lens: tuple[int, ...]):
+    def decode_meta(self, step: int, kv_lens: tuple[int, ...] | None,
+                    kv_len: torch.Tensor | None = None):
         o = self.owner
         return o.drafter.decode_metadata(step, o.kv_indptr[step], o.kv_indices[step], kv_lens,
-                                         self.slots[:, :, step].reshape(-1))
+                                         self.slots[:, :, step].reshape(-1), kv_len=kv_len)
 
     def reorder_kv(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.owner.drafter.kv_pool is not None:
