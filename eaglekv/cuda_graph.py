@@ -47,18 +47,23 @@ class CapturedForwards:
     name = "forward"
     first_call_id = 1 << 20     # this kind's guard call ids (the step's eager ones count from 0)
 
-    def __init__(self, model, backend, max_batch: int):
+    def __init__(self, model, backend, max_batch: int, capture: bool = True):
+        """`capture=False` runs each "replay" as the eager forward over the same static
+        buffers (no graph): the CPU tests check the buffer logic (padding, copies) that way."""
         self.model, self.backend = model, backend
         self.device = model.device
         self.buckets = batch_buckets(max_batch)
+        self.capture = capture
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, list]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0
 
     def _forward(self, b: int):
         raise NotImplementedError
 
     def capture_all(self, progress: bool) -> None:
+        if not self.capture:
+            return
         order = sorted(self.buckets, reverse=True)      # the largest first: its pool is reused
         if progress:
             from tqdm import tqdm
@@ -91,10 +96,13 @@ class CapturedForwards:
 
     def _replay(self, b: int):
         """Replay bucket b (its buffers filled) inside the step's `guarded` context."""
+        self.replays += 1
+        if not self.capture:
+            with torch.inference_mode():
+                return self._forward(b)
         graph, out, calls = self.graphs[b]
         kv_guard(self.device).replaying(calls)
         graph.replay()
-        self.replays += 1
         return out
 
 
@@ -104,12 +112,15 @@ class DecodeGraphs(CapturedForwards):
     name = "decode"
     FIELDS = ("ids", "positions", "rows", "slots")
 
-    def __init__(self, model, backend, max_batch: int, max_kv_len: int, progress: bool = True):
-        super().__init__(model, backend, max_batch)
+    def __init__(self, model, backend, max_batch: int, max_kv_len: int, progress: bool = True,
+                 capture: bool = True):
+        super().__init__(model, backend, max_batch, capture)
         self.max_kv_len = max_kv_len
         n = self.buckets[-1]
         # one pinned host block and its device twin: a replay is one copy of (4, n) int64
-        self.host = torch.zeros(len(self.FIELDS), n, dtype=torch.int64).pin_memory()
+        self.host = torch.zeros(len(self.FIELDS), n, dtype=torch.int64)
+        if capture:
+            self.host = self.host.pin_memory()
         self.host_np = self.host.numpy()
         self.dev = torch.zeros(len(self.FIELDS), n, dtype=torch.int64, device=self.device)
         self.capture_all(progress)
@@ -148,8 +159,9 @@ class VerifyGraphs(CapturedForwards):
     first_call_id = 2 << 20
 
     def __init__(self, model, backend, max_batch: int, num_tokens: int,
-                 capture_layers: tuple[int, ...] = (), progress: bool = True):
-        super().__init__(model, backend, max_batch)
+                 capture_layers: tuple[int, ...] = (), progress: bool = True,
+                 capture: bool = True):
+        super().__init__(model, backend, max_batch, capture)
         N, n, dev = num_tokens, self.buckets[-1], self.device
         self.N, self.capture_layers = N, tuple(capture_layers)
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731

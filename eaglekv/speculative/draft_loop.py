@@ -108,8 +108,8 @@ class DraftLoop:
             out = self.drafter.decode(tok.reshape(-1), positions,
                                       None if hidden is None else hidden.reshape(B * K, -1),
                                       meta, ctx)
-            c_tok, c_lp, c_q = self._choose(out.logits, [r for r in reqs for _ in range(K)],
-                                            sample_chain)                  # (B*K, K)
+            branch_reqs = None if reqs is None else [r for r in reqs for _ in range(K)]
+            c_tok, c_lp, c_q = self._choose(out.logits, branch_reqs, sample_chain)  # (B*K, K)
             c_tok, c_lp = c_tok.view(B, K, K), c_lp.view(B, K, K)
             cum = score[:, :, None] + c_lp                                 # (B, K, K)
             base = K + (i - 1) * K * K

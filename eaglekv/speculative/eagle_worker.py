@@ -22,6 +22,7 @@ from eaglekv.core import ForwardBatch, SpecStats, StepPlan, StepResult
 from eaglekv.runner import ModelRunner, RunnerResources, guarded
 from eaglekv.sampling import apply_penalties, token_logprobs, valid_argmax, valid_probs
 from eaglekv.speculative.accept import greedy_accept, sample_accept
+from eaglekv.speculative.drafter import Drafter
 from eaglekv.speculative.draft_loop import (DraftLoop, exponential_noise, processed_probs,
                                             uniform_noise)
 from eaglekv.speculative.slots import DraftSlots
@@ -45,12 +46,23 @@ class EagleWorker:
         # the draft extend runs over the whole verify window before the step's sync (fixed
         # shape, one round trip less), on CUDA; after the sync over the accepted tokens on CPU
         self.window_extend = bool(res.cuda_graph_max_bs)
-        self.verify_graphs = None
+        self.verify_graphs = self.draft_graphs = None
         if res.cuda_graph_max_bs:    # the verify forward, captured per batch bucket
             from eaglekv.cuda_graph import VerifyGraphs
             self.verify_graphs = VerifyGraphs(res.model, res.backend, res.cuda_graph_max_bs,
                                               self.N, drafter.capture_layers)
+            if self.draft_graphable(drafter):   # the draft loop and the tree
+                from eaglekv.speculative.graphs import DraftGraphs
+                self.draft_graphs = DraftGraphs(self, res.cuda_graph_max_bs)
         self.reset_stats()
+
+    @staticmethod
+    def draft_graphable(drafter) -> bool:
+        """The draft phase can be captured: an EAGLE / EAGLE-3 head on the Triton backend
+        (device-side lengths), not a scripted drafter that reads contexts on the host."""
+        return (not drafter.needs_contexts and drafter.kv_pool is not None
+                and hasattr(getattr(drafter, "backend", None), "indexed_decode_metadata")
+                and type(drafter).decode_metadata is not Drafter.decode_metadata)
 
     def reset_stats(self) -> None:
         self.stats = SpecStats(accept_histogram={})
@@ -136,10 +148,15 @@ class EagleWorker:
         if self.drafter.needs_contexts:
             contexts_of = lambda paths: [r.all_ids + p for r, pk in zip(reqs, paths.tolist())  # noqa: E731
                                          for p in pk]
-        pool = self.loop.run(reqs, root_logits, root_hidden, seq_lens, d.slots,
-                             d.decode_meta, contexts_of, d.reorder_kv)
         root = torch.tensor([r.output_ids[-1] for r in reqs], device=dev)         # (B,)
-        tree = build_tree(root, pool.tokens, pool.parents, organize(pool.scores, N), pool.probs)
+        if (self.draft_graphs is not None and self.draft_graphs.bucket(B) is not None
+                and root_hidden is not None and all(r.params.greedy for r in reqs)):
+            tree = self.draft_graphs.run(root_logits, root_hidden, seq_lens, root, d.slots)
+        else:
+            pool = self.loop.run(reqs, root_logits, root_hidden, seq_lens, d.slots,
+                                 d.decode_meta, contexts_of, d.reorder_kv)
+            tree = build_tree(root, pool.tokens, pool.parents, organize(pool.scores, N),
+                              pool.probs)
         self.slots.release_draft(d)
         t1 = time.perf_counter()
         # 2. verify: N tree nodes per request at positions L_b + depth, under the tree mask
