@@ -46,14 +46,17 @@ class EagleWorker:
         # the draft extend runs over the whole verify window before the step's sync (fixed
         # shape, one round trip less), on CUDA; after the sync over the accepted tokens on CPU
         self.window_extend = bool(res.cuda_graph_max_bs)
-        self.verify_graphs = self.draft_graphs = None
+        self.verify_graphs = self.step_graphs = None
         if res.cuda_graph_max_bs:    # the verify forward, captured per batch bucket
             from eaglekv.cuda_graph import VerifyGraphs
             self.verify_graphs = VerifyGraphs(res.model, res.backend, res.cuda_graph_max_bs,
                                               self.N, drafter.capture_layers)
-            if self.draft_graphable(drafter):   # the draft loop and the tree
-                from eaglekv.speculative.graphs import DraftGraphs
-                self.draft_graphs = DraftGraphs(self, res.cuda_graph_max_bs)
+            # a whole greedy step as one graph; page_size 1 only: with larger pages the draft
+            # and the verify window would both continue the request's partly filled last page
+            if self.draft_graphable(drafter) and res.page_size == 1:
+                from eaglekv.speculative.graphs import SpecStepGraphs
+                self.slots.hold_both = True     # its draft and verify slots are held at once
+                self.step_graphs = SpecStepGraphs(self, res.cuda_graph_max_bs)
         self.reset_stats()
 
     @staticmethod
@@ -149,14 +152,13 @@ class EagleWorker:
             contexts_of = lambda paths: [r.all_ids + p for r, pk in zip(reqs, paths.tolist())  # noqa: E731
                                          for p in pk]
         root = torch.tensor([r.output_ids[-1] for r in reqs], device=dev)         # (B,)
-        if (self.draft_graphs is not None and self.draft_graphs.bucket(B) is not None
-                and root_hidden is not None and all(r.params.greedy for r in reqs)):
-            tree = self.draft_graphs.run(root_logits, root_hidden, seq_lens, root, d.slots)
-        else:
-            pool = self.loop.run(reqs, root_logits, root_hidden, seq_lens, d.slots,
-                                 d.decode_meta, contexts_of, d.reorder_kv)
-            tree = build_tree(root, pool.tokens, pool.parents, organize(pool.scores, N),
-                              pool.probs)
+        if self._step_graph_fits(reqs, root_hidden):
+            return self._decode_graph(reqs, rows, seq_lens, d, root_logits, root_hidden, root,
+                                      t0)
+        pool = self.loop.run(reqs, root_logits, root_hidden, seq_lens, d.slots,
+                             d.decode_meta, contexts_of, d.reorder_kv)
+        tree = build_tree(root, pool.tokens, pool.parents, organize(pool.scores, N),
+                          pool.probs)
         self.slots.release_draft(d)
         t1 = time.perf_counter()
         # 2. verify: N tree nodes per request at positions L_b + depth, under the tree mask
@@ -208,7 +210,35 @@ class EagleWorker:
         good, acc, toks = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
         lps = self._window_logprobs(reqs, logits, res.path, acc, toks, good)
         t3 = time.perf_counter()
-        # 5. the result: the rejected tail goes back; a failed request commits nothing
+        self.timings["draft"] += t1 - t0
+        self.timings["verify"] += t2 - t1
+        self.timings["accept"] += t3 - t2
+        return self._step_result(reqs, vslots, good, acc, toks, lps, hid, window)
+
+    def _step_graph_fits(self, reqs, root_hidden) -> bool:
+        return (self.step_graphs is not None and root_hidden is not None
+                and self.step_graphs.bucket(len(reqs)) is not None
+                and all(r.params.greedy and not r.params.has_penalties
+                        and r.params.logprobs is None for r in reqs))
+
+    def _decode_graph(self, reqs, rows, seq_lens, d, root_logits, root_hidden, root,
+                      t0) -> StepResult:
+        """A greedy step as one replay (speculative/graphs.py): the host takes the verify
+        slots too, then reads [usable, accept_len, committed...] at the sync."""
+        vslots = self.slots.alloc_verify(reqs, rows, seq_lens)                     # (B, N) cpu
+        host_t, window = self.step_graphs.run(root_logits, root_hidden, seq_lens, rows, root,
+                                              d.slots, vslots.to(seq_lens.device))
+        host = host_t.tolist()                                                    # the sync
+        self.slots.release_draft(d)
+        good, acc, toks = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
+        self.timings["verify"] += time.perf_counter() - t0    # the whole step, one replay
+        return self._step_result(reqs, vslots, good, acc, toks, [None] * len(reqs), None,
+                                 window)
+
+    def _step_result(self, reqs, vslots, good, acc, toks, lps, hid, window) -> StepResult:
+        """After the sync: the rejected tail goes back, a failed request commits nothing; the
+        next roots come from the window extend, or the draft extends now."""
+        B, N = vslots.shape
         result = StepResult(tokens=[None] * B, logprobs=[None] * B, failed=[False] * B,
                             kv_advance=[0] * B, last_slots=[-1] * B, accepted=[None] * B,
                             draft_tokens=N - 1)
@@ -224,15 +254,13 @@ class EagleWorker:
             result.accepted[b], result.tokens[b], result.logprobs[b] = a, toks[b][:a + 1], lps[b]
             self._count(a)
             live.append(r)
-            ids.append(toks[b][:a + 1])
-            prefix.append(r.kv_len)
-            slots.append(vslots[b, :a + 1])
-            hidden.append(hid[b, :a + 1])
-            ctx.append(r.all_ids + toks[b][:a + 1])
+            if window is None:
+                ids.append(toks[b][:a + 1])
+                prefix.append(r.kv_len)
+                slots.append(vslots[b, :a + 1])
+                hidden.append(hid[b, :a + 1])
+                ctx.append(r.all_ids + toks[b][:a + 1])
         result.free_slots = torch.cat(free)
-        self.timings["draft"] += t1 - t0
-        self.timings["verify"] += t2 - t1
-        self.timings["accept"] += t3 - t2
         if window is not None:  # the draft already ran over the window, before the sync
             for b, r in enumerate(reqs):
                 if good[b]:
@@ -286,6 +314,13 @@ class EagleWorker:
         draft then extends over the accepted tokens after the sync)."""
         if not self.window_extend or not hasattr(self.drafter, "extend_window"):
             return None
+        rows = torch.tensor([r.row for r in reqs], device=vslots.device)
+        return self.window_forward(rows, seq_lens, committed, feats, vslots, res,
+                                   tuple(r.kv_len for r in reqs))
+
+    def window_forward(self, rows, seq_lens, committed, feats, vslots, res, prefix_cpu=None):
+        """`_extend_window`'s forward, tensors only (a CUDA graph captures it too, with
+        `prefix_cpu` None: the Triton backend needs no prefix length on the host)."""
         B = vslots.shape[0]
         W = min(self.S, self.N - 1) + 1                  # the most tokens a step commits
         dev = vslots.device
@@ -294,11 +329,10 @@ class EagleWorker:
         hidden = feats.gather(1, path[:, :, None].expand(B, W, feats.shape[-1]))  # (B, W, Hf)
         batch = ForwardBatch(input_ids=committed[:, :W].clamp(min=0).reshape(-1),
                              positions=(seq_lens[:, None] + cols[None, :]).reshape(-1),
-                             req_pool_indices=torch.tensor([r.row for r in reqs], device=dev),
-                             prefix_lens=seq_lens, extend_lens=torch.full((B,), W, device=dev),
+                             req_pool_indices=rows, prefix_lens=seq_lens,
+                             extend_lens=torch.full((B,), W, device=dev),
                              out_cache_loc=vslots[:, :W].reshape(-1),
-                             prefix_lens_cpu=tuple(r.kv_len for r in reqs),
-                             extend_lens_cpu=(W,) * B)
+                             prefix_lens_cpu=prefix_cpu or (0,) * B, extend_lens_cpu=(W,) * B)
         idx = torch.arange(B, device=dev) * W + res.accept_len                    # (B,)
         return self.drafter.extend_window(batch, hidden.reshape(B * W, -1), idx)
 

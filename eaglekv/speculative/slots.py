@@ -65,6 +65,7 @@ class DraftSlots:
         R = res.max_running_requests
         width = kv_indices_width(spec, R, res.max_context_len)
         dev = res.device
+        self.hold_both = False    # draft and verify slots held at once (a step graph)
         self.kv_indices = torch.zeros(self.S, width, dtype=torch.int32, device=dev)
         self.kv_indptr = torch.zeros(self.S, R * self.K + 1, dtype=torch.int32, device=dev)
 
@@ -80,7 +81,8 @@ class DraftSlots:
             draft = a.pages_needed(L, K * S)
         else:
             draft = a.pages_needed(L, S) + (K - 1) * self._npp(L)
-        return max(draft, a.pages_needed(L, self.N))
+        verify = a.pages_needed(L, self.N)
+        return draft + verify if self.hold_both else max(draft, verify)
 
     # ---- draft phase ----------------------------------------------------------------------------
     def prepare_draft(self, reqs, rows: torch.Tensor, seq_lens: torch.Tensor) -> DraftBatch:

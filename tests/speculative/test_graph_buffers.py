@@ -1,5 +1,5 @@
 """The static-buffer side of the CUDA graphs, checked on CPU: DecodeGraphs, VerifyGraphs and
-DraftGraphs built with `capture=False` run their forwards eagerly over the same static buffers
+SpecStepGraphs built with `capture=False` run their forwards eagerly over the same static buffers
 a replay reads (bucket padding, the live-row flag, the copies in), under the Triton
 interpreter. Greedy tokens equal the PyTorch backend's, and a padded decode row writes only
 the padding page. (Capture and replay themselves run in the GPU tests.)"""
@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from eaglekv import SamplingParams  # noqa: E402
 from eaglekv.cuda_graph import DecodeGraphs, VerifyGraphs  # noqa: E402
-from eaglekv.speculative.graphs import DraftGraphs  # noqa: E402
+from eaglekv.speculative.graphs import SpecStepGraphs  # noqa: E402
 from helpers import spec, tiny_engine  # noqa: E402
 
 SP = SamplingParams(max_new_tokens=6, ignore_eos=True)
@@ -62,17 +62,40 @@ def test_decode_buffers(tiny_dir, reference):
     engine.check_memory()
 
 
-@pytest.mark.parametrize("S,K,N,ps", [(3, 1, 4, 1), (3, 2, 5, 4)])
-def test_verify_and_draft_buffers(tiny_dir, reference, S, K, N, ps):
+@pytest.mark.parametrize("S,K,N", [(3, 1, 4), (3, 2, 5)])
+def test_spec_step_buffers(tiny_dir, reference, S, K, N):
+    """A greedy speculative step through SpecStepGraphs' buffers: 3 requests in the 4-row
+    bucket, then 2 in the 2-row one as requests finish; the same tokens as plain decoding."""
     engine = tiny_engine(tiny_dir, max_running_requests=4, attention_backend="triton",
-                         page_size=ps, speculative=spec("eagle", S, K, N))
+                         speculative=spec("eagle", S, K, N))
     w = engine.runner
     assert w.draft_graphable(w.drafter)
-    w.verify_graphs = VerifyGraphs(w.res.model, w.res.backend, 4, N, progress=False,
-                                   capture=False)
-    w.draft_graphs = DraftGraphs(w, 4, progress=False, capture=False)
-    w.window_extend = True
-    assert [o.token_ids for o in engine.generate(PROMPTS, SP)] == reference
-    assert w.verify_graphs.replays > 0 and w.draft_graphs.replays > 0
+    w.slots.hold_both = True
+    w.step_graphs = SpecStepGraphs(w, 4, progress=False, capture=False)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 3, 6)]
+    outs = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [r[:p.max_new_tokens]
+                                           for r, p in zip(reference, params)]
+    assert w.step_graphs.replays > 0
     engine.check_memory()
     assert engine.allocator.is_full()
+
+
+def test_sampled_step_replays_only_the_verify(tiny_dir):
+    """A sampled batch drafts eagerly (each request's own generator) and verifies through
+    VerifyGraphs' buffers: the same seeded tokens as with no graph objects at all."""
+    sp = SamplingParams(max_new_tokens=5, temperature=0.8, seed=1, ignore_eos=True)
+    outs = []
+    for graphs in (False, True):
+        engine = tiny_engine(tiny_dir, max_running_requests=4, attention_backend="triton",
+                             speculative=spec("eagle", 3, 1, 4))
+        w = engine.runner
+        if graphs:
+            w.slots.hold_both = True
+            w.step_graphs = SpecStepGraphs(w, 4, progress=False, capture=False)
+            w.verify_graphs = VerifyGraphs(w.res.model, w.res.backend, 4, w.N, progress=False,
+                                           capture=False)
+        outs.append([o.token_ids for o in engine.generate(PROMPTS, sp)])
+        engine.check_memory()
+    assert outs[0] == outs[1]
+    assert w.step_graphs.replays == 0 and w.verify_graphs.replays > 0
