@@ -142,10 +142,10 @@ class Scheduler:
         decode = self._plan_decodes([req for req, n in takes if n == 1])
         planned = []
         for req, n in takes:
-            if req in decode:        # one token: its slot taken and written with the others
-                planned.append((req, *decode[req]))
+            if id(req) in decode:    # one token: its slot taken and written with the others
+                planned.append((req, *decode[id(req)]))
                 continue
-            if req not in self.running:  # preempted to make room for an earlier one
+            if not any(r is req for r in self.running):  # preempted for an earlier one
                 continue
             ids, prefix = req.pending_ids[:n], req.kv_len
             s = self._alloc_extend(req, len(ids))
@@ -153,14 +153,14 @@ class Scheduler:
                 self.device, torch.int32)
             req.kv_len, req.last_slot = prefix + len(ids), int(s[-1])  # owned from here on
             planned.append((req, ids, prefix, s))
-        running = set(self.running)
-        planned = [p for p in planned if p[0] in running]
+        running = {id(r) for r in self.running}    # identity: a Req compares by value
+        planned = [p for p in planned if id(p[0]) in running]
         return StepPlan("extend", [p[0] for p in planned], ids=[p[1] for p in planned],
                         prefix_lens=[p[2] for p in planned], slots=[p[3] for p in planned])
 
-    def _plan_decodes(self, reqs: list[Req]) -> dict[Req, tuple[list[int], int, torch.Tensor]]:
+    def _plan_decodes(self, reqs: list[Req]) -> dict[int, tuple[list[int], int, torch.Tensor]]:
         """The requests that extend by one token, in one go: a slot each (one allocator call)
-        and their req_to_token entries (one write), {req: (ids, prefix, slot tensor [1])}. Empty
+        and their req_to_token entries (one write), {id(req): (ids, prefix, slot [1])}. Empty
         when they do not all fit: the per-request path then allocates, preempting as needed."""
         if len(reqs) < 2:
             return {}
@@ -174,7 +174,7 @@ class Scheduler:
         self.req_to_token.req_to_token[where[:, 0], where[:, 1]] = where[:, 2].to(torch.int32)
         out = {}
         for r, s in zip(reqs, slots.view(-1, 1)):
-            out[r] = (r.pending_ids[:1], r.kv_len, s)
+            out[id(r)] = (r.pending_ids[:1], r.kv_len, s)
             r.kv_len, r.last_slot = r.kv_len + 1, int(s)       # owned from here on
         return out
 

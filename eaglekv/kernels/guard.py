@@ -79,7 +79,10 @@ class KVGuard:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.err = torch.tensor([0, NO_ERROR], dtype=torch.int64, device=device)
+        # a normal tensor even when the first guarded call runs under inference_mode (a
+        # model forward): the host resets it in place later, outside of it
+        with torch.inference_mode(False):
+            self.err = torch.tensor([0, NO_ERROR], dtype=torch.int64, device=device)
         self.calls: dict[int, _Call] = {}     # call id -> call, this step's
         self.next_id = 0
         self.deferred = False

@@ -15,6 +15,7 @@ Slot ids are shared: one slot addresses the target's and the draft's K/V of the 
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -54,10 +55,22 @@ class EagleWorker:
             # a whole greedy step as one graph; page_size 1 only: with larger pages the draft
             # and the verify window would both continue the request's partly filled last page
             if self.draft_graphable(drafter) and res.page_size == 1:
-                from eaglekv.speculative.graphs import SpecStepGraphs
-                self.slots.hold_both = True     # its draft and verify slots are held at once
-                self.step_graphs = SpecStepGraphs(self, res.cuda_graph_max_bs)
+                self._capture_step_graphs(res.cuda_graph_max_bs)
         self.reset_stats()
+
+    def _capture_step_graphs(self, max_bs: int) -> None:
+        """Capture the whole-step graphs; if a capture fails, say so and keep the eager draft
+        with the verify graph (a slower step, never a lost engine)."""
+        from eaglekv.speculative.graphs import SpecStepGraphs
+        self.slots.hold_both = True     # its draft and verify slots are held at once
+        try:
+            self.step_graphs = SpecStepGraphs(self, max_bs)
+        except Exception as e:  # noqa: BLE001 - any capture failure falls back, loudly
+            self.slots.hold_both = False
+            self.step_graphs = None
+            warnings.warn(f"eaglekv: capturing the speculative step graphs failed ({e!r}); "
+                          f"drafting eagerly, the verify still replays its graph",
+                          RuntimeWarning, stacklevel=2)
 
     @staticmethod
     def draft_graphable(drafter) -> bool:

@@ -207,10 +207,11 @@ def test_gauges_follow_hangups(server):
                      json={"model": MODEL, "prompt": PROMPT, "max_tokens": 300, "stream": True,
                            "ignore_eos": True})
         streams.append(s)
+    lines = []     # the line iterators stay referenced: a collected one closes its stream
     try:
         for s in streams:
-            r = s.__enter__()
-            next(r.iter_lines())
+            lines.append(s.__enter__().iter_lines())
+            next(lines[-1])
         # a fan-out that leaves most of its 60 sub-requests waiting, then hangs up too
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(60, read=1.0),
