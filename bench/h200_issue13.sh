@@ -2,7 +2,8 @@
 # Issue 13 on the H200 (run from the tree root on the GPU machine, after the first half of the
 # model was copied: see ../shared/tools/stage-smollm2):
 #   bench/h200_issue13.sh bench   # assemble SmolLM2, `eaglekv bench --device cuda`, the floor
-#   bench/h200_issue13.sh tests   # the GPU tests (pytest -m gpu), log under $OUT
+#   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
+#   bench/h200_issue13.sh memcheck [PATHS]  # the same under compute-sanitizer memcheck
 set -uo pipefail
 export PYTHONPATH=.:.carry/pylib
 M=/root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -24,5 +25,13 @@ case "${1:-bench}" in
     python3 -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/server "${@:-tests}" 2>&1 \
       | tail -c 30000 > "$OUT/gpu_tests.log"
     tail -30 "$OUT/gpu_tests.log"
+    ;;
+  memcheck)
+    shift
+    args=("$@")
+    [ ${#args[@]} -eq 0 ] && args=(tests/engine/test_cuda_graph.py tests/speculative/test_spec_gpu.py)
+    compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -m gpu \
+      -p no:cacheprovider "${args[@]}" > "$OUT/memcheck.log" 2>&1
+    echo "rc=$?"; tail -5 "$OUT/memcheck.log"
     ;;
 esac
