@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from eaglekv.errors import ConfigError, KVIndexError
-from eaglekv.kernels import move_kv, store_cache
+from eaglekv.kernels import store_cache
+from eaglekv.kernels.move_kv import move_kv_stacked
 
 
 class KVPool:
@@ -18,10 +19,11 @@ class KVPool:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype = dtype
         rows = size + page_size  # slots [0, page_size) are the padding page
-        self.k_buffer = [torch.zeros(rows, kv_heads, head_dim, dtype=dtype, device=device)
-                         for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(rows, kv_heads, head_dim, dtype=dtype, device=device)
-                         for _ in range(num_layers)]
+        # one tensor (K|V, layer, slot, head, dim); each layer's K and V are contiguous views
+        # of it, and a move of rows across every layer is two ops (`move_kv_stacked`)
+        self.kv = torch.zeros(2, num_layers, rows, kv_heads, head_dim, dtype=dtype,
+                              device=device)
+        self.k_buffer, self.v_buffer = list(self.kv[0]), list(self.kv[1])
 
     @property
     def size_limit(self) -> int:
@@ -46,7 +48,7 @@ class KVPool:
 
     def move_kv(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Every layer: K/V of slot src[i] -> slot dst[i] (guarded against size_limit)."""
-        move_kv(self.k_buffer, self.v_buffer, dst, src, self.size_limit)
+        move_kv_stacked(self.kv, dst, src, self.size_limit)
 
     def get_kv_buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_layer(layer)

@@ -63,3 +63,17 @@ def test_out_of_range_move_is_deferred_on_gpu():
     for old, new in zip(before, pool.k_buffer + pool.v_buffer):
         changed = (old != new).flatten(1).any(1).nonzero().view(-1).tolist()
         assert set(changed) <= {0, 5}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pool_move_is_the_per_layer_move(device):
+    """KVPool keeps its layers in one tensor and moves rows across all of them in two ops
+    (move_kv_stacked): the same result as move_kv over the per-layer buffers."""
+    from eaglekv.kernels.move_kv import move_kv
+    a, b = filled_pool(device), filled_pool(device)
+    assert all(x.data_ptr() == a.kv[0, i].data_ptr() for i, x in enumerate(a.k_buffer))
+    src = torch.tensor([[4, 9], [15, 5]], device=device)
+    dst = torch.tensor([[5, 6], [4, 15]], device=device)
+    a.move_kv(dst, src)
+    move_kv(b.k_buffer, b.v_buffer, dst, src, b.size_limit)
+    assert torch.equal(a.kv, b.kv)
