@@ -117,11 +117,19 @@ def run_mode(args, mode: str, batches: list[int], reference: dict | None) -> dic
             row["step_profile"] = step_profile(engine, ps)
         row["_tokens"] = toks
         out[B] = row
-    graphs = (getattr(engine.runner, "graphs", None)
-              or getattr(engine.runner, "verify_graphs", None))
+    graphs = graph_replays(engine)
     del engine
     torch.cuda.empty_cache()
-    return {"rows": out, "cuda_graphs": graphs is not None}
+    return {"rows": out, "cuda_graphs": graphs}
+
+
+def graph_replays(engine: Engine) -> dict:
+    """Replays per captured kind (decode, verify, whole speculative step) over the mode's
+    runs: which graphs actually served the steps (an empty dict: none were captured)."""
+    r = engine.runner
+    kinds = {"decode": getattr(r, "graphs", None), "verify": getattr(r, "verify_graphs", None),
+             "spec_step": getattr(r, "step_graphs", None)}
+    return {k: g.replays for k, g in kinds.items() if g is not None}
 
 
 def hf_row(args, ids: list[int]) -> dict:
