@@ -19,7 +19,8 @@ SPEC_FLAGS = {"spec": "--spec/--speculative-algorithm",       # dest -> its flag
               "draft": "--draft/--speculative-draft-model-path",
               "num_steps": "--num-steps/--speculative-num-steps",
               "topk": "--topk/--speculative-eagle-topk",
-              "num_draft_tokens": "--num-draft-tokens/--speculative-num-draft-tokens"}
+              "num_draft_tokens": "--num-draft-tokens/--speculative-num-draft-tokens",
+              "adaptive": "--adaptive/--no-adaptive"}
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -52,12 +53,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="draft checkpoint directory (published layout of --spec), 'default' "
                    "(the head shipped for SmolLM2-135M-Instruct), or 'random'")
     p.add_argument("--num-steps", "--speculative-num-steps", type=int,
-                   help=f"draft steps (default {SpecConfig.num_steps})")
+                   help="draft steps (default: chosen each step for --draft default, else 3)")
     p.add_argument("--topk", "--speculative-eagle-topk", type=int,
-                   help=f"branches a draft step (default {SpecConfig.topk}: a chain)")
+                   help="branches a draft step (default 1: a chain)")
     p.add_argument("--num-draft-tokens", "--speculative-num-draft-tokens", type=int,
                    help="tokens verified a step, the root included (default: num_steps + 1 "
                    "for a chain)")
+    p.add_argument("--adaptive", "--speculative-adaptive", action=argparse.BooleanOptionalAction,
+                   default=None, help="choose plain decoding or a draft shape each step from "
+                   "measured costs and live acceptance (default: on for --draft default when no "
+                   "shape is given)")
 
 
 def kernel_options(args) -> dict:
@@ -73,19 +78,16 @@ def chunk_arg(value: int | None) -> int | str | None:
 
 
 def spec_config(options: dict) -> SpecConfig:
-    """SpecConfig from the options given (None: not given, SpecConfig's default). A chain
-    (topk 1) of num_steps drafts verifies num_steps + 1 tokens, so num_draft_tokens follows
-    num_steps unless given."""
-    given = {k: v for k, v in options.items() if v is not None}
-    if given.get("topk", SpecConfig.topk) == 1 and "num_draft_tokens" not in given:
-        given["num_draft_tokens"] = given.get("num_steps", SpecConfig.num_steps) + 1
-    return SpecConfig(**given)
+    """SpecConfig from the options given (None: not given, SpecConfig's default: a chain of
+    num_steps drafts verifies num_steps + 1 tokens; no shape with the default draft: adaptive)."""
+    return SpecConfig(**{k: v for k, v in options.items() if v is not None})
 
 
 def spec_from_args(args) -> SpecConfig:
     return spec_config({"algorithm": args.spec, "draft_model": args.draft,
                         "num_steps": args.num_steps, "topk": args.topk,
-                        "num_draft_tokens": args.num_draft_tokens})
+                        "num_draft_tokens": args.num_draft_tokens,
+                        "adaptive": args.adaptive})
 
 
 def _serve_args(v: argparse.ArgumentParser) -> None:
@@ -146,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=s.top_k)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stream", action="store_true", help="print tokens as they come")
+    g.add_argument("--verbose", action="store_true", help="adaptive speculation: print the "
+                   "measured cost of each choice against plain decoding")
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
                        "/v1/chat/completions, /metrics)")
     _engine_args(v)
@@ -164,9 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
     b.add_argument("--out", default=None, help="also write the JSON here (with --device "
                    "cuda: a directory for the JSON and the PNG)")
-    b.add_argument("--batches", default="1,4,16,64", help="--device cuda: batch sizes")
-    b.add_argument("--modes", default="plain,eagle_chain_S3K1N4,eagle_tree_S4K2N8",
-                   help="--device cuda: plain and the EAGLE configurations to run")
+    b.add_argument("--table", action="store_true", help="the table of modes x batch sizes "
+                   "(the default with --device cuda): JSON + PNG into --out")
+    b.add_argument("--batches", default="1,4,16,64", help="--table: batch sizes")
+    b.add_argument("--modes", default="plain,eagle_chain_S3K1N4,eagle_tree_S4K2N8,adaptive",
+                   help="--table: plain, the EAGLE shapes (eagle_chain_S1K1N2, "
+                   "eagle_chain_S3K1N4, eagle_chain_S5K1N6, eagle_tree_S4K2N8) and adaptive")
     b.add_argument("--llama8b", action="store_true", help="--device cuda: add the decode "
                    "step of a Llama-3.1-8B shape (random weights) against its roofline")
     t = sub.add_parser("train-draft", help="train an EAGLE-1/2 draft head by self-distillation "
@@ -203,12 +210,18 @@ def cmd_generate(args) -> None:
         n, reason = len(out.token_ids), out.finish_reason
     dt = time.perf_counter() - t0
     st, sp = engine.spec_stats(), engine.config.speculative
+    shape = ("adaptive" if sp.adaptive else
+             f"steps={sp.num_steps}, topk={sp.topk}, draft tokens={sp.num_draft_tokens}")
     spec = ("accept length n/a (plain decoding: no draft model configured)" if st is None else
             f"accept length {st.accept_length_mean:.2f} over {st.verify_steps} verify steps "
-            f"({sp.algorithm}, steps={sp.num_steps}, topk={sp.topk}, "
-            f"draft tokens={sp.num_draft_tokens})")
+            f"({sp.algorithm}, {shape})")
     print(f"[eaglekv] {n} tokens in {dt:.2f}s = {n / dt:.1f} tokens/s, finish_reason={reason}, "
           f"{spec}", file=sys.stderr)
+    policy = getattr(engine.runner, "policy", None)
+    if policy is not None:     # what adaptive speculation chose, and why
+        print(f"[eaglekv] {policy.summary()}", file=sys.stderr)
+        if args.verbose:
+            print(policy.explain(1), file=sys.stderr)
 
 
 def _serve_model(args) -> str | None:
@@ -323,7 +336,7 @@ def cmd_bench_serve(args) -> None:
 
 def cmd_bench(args) -> None:
     args.command_line = "eaglekv " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    if args.device.startswith("cuda") and args.spec is None:   # the whole issue-13 table
+    if (args.device.startswith("cuda") or args.table) and args.spec is None:   # the table
         from eaglekv.bench.gpu import main as gpu_main
         args.draft = args.draft or "default"
         gpu_main(args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 
 import torch
 
@@ -99,6 +100,11 @@ def _is_real(v) -> bool:
 
 
 SPEC_ALGORITHMS = ("none", "eagle", "eagle3", "multi_layer_eagle")
+ADAPTIVE_ALGORITHMS = ("eagle", "eagle3")
+# adaptive candidates: on CPU a verify costs about a decode step per token, so short chains;
+# on CUDA a verify of 8 costs little more than a decode step, so deeper chains and a tree
+ADAPTIVE_SHAPES = {"cpu": ((1, 1, 2), (3, 1, 4), (5, 1, 6)),
+                   "cuda": ((3, 1, 4), (5, 1, 6), (4, 2, 8))}
 
 
 @dataclass(frozen=True)
@@ -113,20 +119,43 @@ class SpecConfig:
 
     algorithm: str = "none"
     draft_model: str | None = None
-    num_steps: int = 3
-    topk: int = 1
-    num_draft_tokens: int = 4
+    num_steps: int | None = None        # None: 3 (fixed), or chosen per step (adaptive)
+    topk: int | None = None             # None: 1
+    num_draft_tokens: int | None = None  # None: num_steps + 1 for a chain
+    # adaptive: choose plain decoding or one of `shapes` each step (speculative/adaptive.py).
+    # None: on for draft_model="default" when no num_steps / topk / num_draft_tokens is given
+    adaptive: bool | None = None
+    shapes: tuple[tuple[int, int, int], ...] | None = None   # (S, K, N) each; None: the device's
 
     def __post_init__(self):
         if self.algorithm not in SPEC_ALGORITHMS:
             raise ConfigError(f"speculative algorithm={self.algorithm!r} unknown; "
                               f"choose one of {list(SPEC_ALGORITHMS)}")
-        for name in ("num_steps", "topk"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+        given = [n for n in ("num_steps", "topk", "num_draft_tokens")
+                 if getattr(self, n) is not None]
+        adaptive = self.adaptive
+        if adaptive is None:
+            adaptive = (self.enabled and self.draft_model == "default" and not given
+                        and self.algorithm in ADAPTIVE_ALGORITHMS)
+        object.__setattr__(self, "adaptive", bool(adaptive))
+        if self.adaptive:
+            self._check_adaptive(given)
+            return
+        if self.shapes is not None:
+            raise ConfigError(f"shapes={self.shapes!r} are the candidates of adaptive "
+                              f"speculation; set adaptive=True or give one fixed shape")
+        K = 1 if self.topk is None else self.topk
+        S = 3 if self.num_steps is None else self.num_steps
+        for name, v in (("num_steps", S), ("topk", K)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name}={v!r} must be an int >= 1")
-        S, K, N = self.num_steps, self.topk, self.num_draft_tokens
-        if not isinstance(N, int) or N < 2:
+        N = self.num_draft_tokens
+        if N is None:
+            N = S + 1 if K == 1 else 4
+        object.__setattr__(self, "num_steps", S)
+        object.__setattr__(self, "topk", K)
+        object.__setattr__(self, "num_draft_tokens", N)
+        if not isinstance(N, int) or isinstance(N, bool) or N < 2:
             raise ConfigError(f"num_draft_tokens={N!r} must be an int >= 2 (the root plus at "
                               f"least one draft token)")
         if K == 1 and N != S + 1:
@@ -143,6 +172,49 @@ class SpecConfig:
         if self.enabled and not self.draft_model:
             raise ConfigError(f"speculative algorithm={self.algorithm!r} needs a draft_model "
                               f"(a checkpoint directory, or 'random')")
+
+    def _check_adaptive(self, given: list[str]) -> None:
+        if self.algorithm not in ADAPTIVE_ALGORITHMS:
+            raise ConfigError(f"adaptive speculation drives {list(ADAPTIVE_ALGORITHMS)}, not "
+                              f"algorithm={self.algorithm!r}; give a fixed num_steps instead")
+        if given:
+            raise ConfigError(f"adaptive=True chooses num_steps, topk and num_draft_tokens "
+                              f"itself, but {given} were given: restrict its candidates with "
+                              f"shapes=((S, K, N), ...), or set adaptive=False for one fixed "
+                              f"shape")
+        if not self.draft_model:
+            raise ConfigError(f"speculative algorithm={self.algorithm!r} needs a draft_model "
+                              f"(a checkpoint directory, or 'random')")
+        if self.shapes is not None:
+            if not self.shapes:
+                raise ConfigError("shapes=() leaves adaptive speculation nothing to choose")
+            for sh in self.shapes:
+                if not (isinstance(sh, (tuple, list)) and len(sh) == 3):
+                    raise ConfigError(f"shapes: {sh!r} is not a (num_steps, topk, "
+                                      f"num_draft_tokens) triple")
+                self.fixed(*sh)          # each shape must be a valid fixed config
+            object.__setattr__(self, "shapes", tuple(tuple(int(v) for v in sh)
+                                                     for sh in self.shapes))
+
+    def fixed(self, S: int, K: int, N: int) -> "SpecConfig":
+        """This config with one fixed shape (what adaptive runs for that choice)."""
+        return SpecConfig(self.algorithm, self.draft_model, S, K, N, adaptive=False)
+
+    def candidate_shapes(self, device_type: str) -> tuple[tuple[int, int, int], ...]:
+        """The shapes steps are chosen among: `shapes`, else the device's defaults; a fixed
+        config has just its own."""
+        if not self.adaptive:
+            return ((self.num_steps, self.topk, self.num_draft_tokens),)
+        if self.shapes is not None:
+            return self.shapes
+        return ADAPTIVE_SHAPES["cuda" if device_type == "cuda" else "cpu"]
+
+    def hull(self, device_type: str) -> "SimpleNamespace":
+        """num_steps / topk / num_draft_tokens large enough for every candidate shape: what
+        the request table, guard 2 and the position table are sized for."""
+        sh = self.candidate_shapes(device_type)
+        return SimpleNamespace(num_steps=max(s[0] for s in sh), topk=max(s[1] for s in sh),
+                               num_draft_tokens=max(s[2] for s in sh))
 
     @property
     def enabled(self) -> bool:

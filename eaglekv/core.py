@@ -111,6 +111,7 @@ class SpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accept_histogram: dict[int, int] | None = None
+    choices: dict[str, int] | None = None   # adaptive: steps per choice ("plain", "S3K1N4", ...)
 
     @property
     def accept_length_mean(self) -> float:
@@ -189,8 +190,8 @@ class StepResult:
     failed: list[bool]
     kv_advance: list[int] | None = None
     last_slots: list[int] | None = None
-    accepted: list[int | None] | None = None
-    draft_tokens: int = 0
+    accepted: list[int | None] | None = None   # None at i: it did not speculate this step
+    draft_tokens: int | list[int] = 0          # per step, or per request (adaptive)
     free_slots: torch.Tensor | None = None
 
     @classmethod

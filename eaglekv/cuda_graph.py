@@ -113,9 +113,13 @@ class DecodeGraphs(CapturedForwards):
     FIELDS = ("ids", "positions", "rows", "slots")
 
     def __init__(self, model, backend, max_batch: int, max_kv_len: int, progress: bool = True,
-                 capture: bool = True):
+                 capture: bool = True, features=None):
+        """`features`: None, or a drafter whose `features(output)` the forward also returns
+        (the adaptive runner's plain steps keep them for the draft to catch up on)."""
         super().__init__(model, backend, max_batch, capture)
         self.max_kv_len = max_kv_len
+        self.features = features
+        self.last_features = None     # (n, Hf) of the last replay, when `features` is set
         n = self.buckets[-1]
         # one pinned host block and its device twin: a replay is one copy of (4, n) int64
         self.host = torch.zeros(len(self.FIELDS), n, dtype=torch.int64)
@@ -125,14 +129,17 @@ class DecodeGraphs(CapturedForwards):
         self.dev = torch.zeros(len(self.FIELDS), n, dtype=torch.int64, device=self.device)
         self.capture_all(progress)
 
-    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, b: int) -> tuple:
         ids, pos, rows, slots = (self.dev[i, :b] for i in range(len(self.FIELDS)))
         meta = self.backend.decode_metadata(rows * self.backend.width, pos + 1, slots,
                                             self.max_kv_len)
-        logits = self.model.forward_tokens(ids, pos, self.backend, meta).logits  # (b, V)
+        f = self.features
+        out = self.model.forward_tokens(ids, pos, self.backend, meta, return_hidden=f is not None,
+                                        capture_layers=() if f is None else f.capture_layers)
+        logits = out.logits                                                       # (b, V)
         # the greedy pick and its validity (sampling.valid_argmax), for an all-greedy batch
         greedy = torch.stack([logits.argmax(-1), valid_argmax(logits).long()], 1)  # (b, 2)
-        return logits, greedy
+        return logits, greedy, (None if f is None else f.features(out))
 
     def replay(self, ids: list[int], positions: list[int], rows: list[int],
                slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +153,8 @@ class DecodeGraphs(CapturedForwards):
         h[0, :n], h[1, :n], h[2, :n], h[3, :n] = ids, positions, rows, slots
         # the host block is not written again before the step's sync: the copy is done then
         self.dev.copy_(self.host, non_blocking=True)
-        logits, greedy = self._replay(b)
+        logits, greedy, feats = self._replay(b)
+        self.last_features = None if feats is None else feats[:n]
         return logits[:n], greedy[:n]
 
 

@@ -68,12 +68,13 @@ class ModelRunner:
         return (self.graphs.bucket(len(plan.reqs)) is not None
                 and all(len(x) == 1 for x in plan.ids))
 
-    def run_graph(self, plan: StepPlan) -> StepResult:
-        """A decode step (one token per request) as one replay of the captured forward."""
+    def run_graph(self, plan: StepPlan, done: list[int] | None = None) -> StepResult:
+        """A decode step (one token per request) as one replay of the captured forward; the
+        requests of `done` sample (default: `plan.sampling`)."""
         slots = torch.cat(plan.slots).numpy()
         logits, greedy = self.graphs.replay([x[0] for x in plan.ids], plan.prefix_lens,
                                             [r.row for r in plan.reqs], slots)
-        done = plan.sampling
+        done = plan.sampling if done is None else done
         if len(done) == len(plan.reqs) and all(
                 r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
                 for r in plan.reqs):   # picked inside the graph: the step's sync reads them

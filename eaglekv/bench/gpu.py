@@ -1,7 +1,10 @@
-"""`eaglekv bench --device cuda`: every row of issue 13's table in one process.
+"""`eaglekv bench --device cuda` (or `--table` on any device): every row of issue 13's and
+issue 15's tables in one process.
 
-For each mode (plain; EAGLE chain S3/K1/N4 and tree S4/K2/N8 with the shipped draft) and batch
-size (1, 4, 16, 64): total tokens/s of B greedy requests of `new_tokens` each (EOS ignored),
+For each mode (plain; EAGLE chains S1/S3/S5, the tree S4/K2/N8, and `adaptive`, all with the
+shipped draft) and batch size (1, 4, 16, 64): total tokens/s of B greedy requests of
+`new_tokens` each (EOS ignored; the engines are built first and the repeats alternate between
+the modes, so drift hits every mode alike),
 the accept length, the speculative runner's host time per phase (draft, verify, accept,
 extend), and a profiler pass that counts device kernels and device time per step; HF
 transformers greedy at batch 1 beside them. `--llama8b` adds a Llama-3.1-8B-shaped model with
@@ -26,8 +29,11 @@ from eaglekv.engine import Engine
 
 PROMPT = "Write a short story about a robot who learns to paint."
 MODES = {"plain": None,
+         "eagle_chain_S1K1N2": dict(num_steps=1, topk=1, num_draft_tokens=2),
          "eagle_chain_S3K1N4": dict(num_steps=3, topk=1, num_draft_tokens=4),
-         "eagle_tree_S4K2N8": dict(num_steps=4, topk=2, num_draft_tokens=8)}
+         "eagle_chain_S5K1N6": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         "eagle_tree_S4K2N8": dict(num_steps=4, topk=2, num_draft_tokens=8),
+         "adaptive": dict(adaptive=True)}
 
 
 def sync() -> None:
@@ -92,35 +98,55 @@ def step_profile(engine: Engine, ps: list[list[int]], steps: int = 5) -> dict:
             "host_wall_ms_per_step": 1e3 * statistics.median(walls)}
 
 
-def run_mode(args, mode: str, batches: list[int], reference: dict | None) -> dict:
-    engine = make_engine(args, mode, max(batches))
+def run_modes(args, modes: list[str], batches: list[int]) -> dict:
+    """Every mode's engine first, warmed up at every batch size; then `repeats` rounds, each
+    running every mode at every batch size in turn; then the per-step profiles."""
+    engines = {m: make_engine(args, m, max(batches)) for m in modes}
+    ps = {B: prompts(next(iter(engines.values())), B) for B in batches}
+    for m, eng in engines.items():
+        for B in batches:   # adaptive measures each choice's cost here (or finds it cached)
+            timed_generate(eng, ps[B], 32 if m == "adaptive" else 8)
+        if eng.worker is not None:
+            eng.worker.reset_stats()
+    runs = {m: {B: [] for B in batches} for m in modes}
+    toks = {m: {} for m in modes}
+    stats = {m: {} for m in modes}
+    for _ in range(args.repeats):
+        for m, eng in engines.items():
+            for B in batches:
+                if eng.worker is not None:
+                    eng.worker.reset_stats()
+                tps, toks[m][B] = timed_generate(eng, ps[B], args.new_tokens)
+                runs[m][B].append(tps)
+                if eng.worker is not None:
+                    st, w = eng.spec_stats(), eng.worker
+                    steps = max(st.verify_steps, 1)
+                    stats[m][B] = {"accept_length_mean": st.accept_length_mean,
+                                   "host_ms_per_verify_step": {k: 1e3 * v / steps
+                                                               for k, v in w.timings.items()}}
+                    if st.choices is not None:
+                        stats[m][B]["steps_per_choice"] = dict(st.choices)
     out = {}
-    for B in batches:
-        ps = prompts(engine, B)
-        timed_generate(engine, ps, 8)                       # warm-up
-        if engine.worker is not None:
-            engine.worker.reset_stats()
-        runs, toks = [], None
-        for _ in range(args.repeats):
-            tps, toks = timed_generate(engine, ps, args.new_tokens)
-            runs.append(tps)
-        row = {"tokens_per_s": statistics.median(runs), "runs": runs}
-        if engine.worker is not None:
-            st, w = engine.spec_stats(), engine.worker
-            steps = max(st.verify_steps, 1)
-            row["accept_length_mean"] = st.accept_length_mean
-            row["host_ms_per_verify_step"] = {k: 1e3 * v / steps for k, v in w.timings.items()}
-        if reference is not None and B in reference:
-            same = sum(a == b for a, b in zip(toks, reference[B]))
-            row["greedy_identical_to_plain"] = f"{same}/{B} requests"
-        if B in (batches[0], batches[-1]):
-            row["step_profile"] = step_profile(engine, ps)
-        row["_tokens"] = toks
-        out[B] = row
-    graphs = graph_replays(engine)
-    del engine
-    torch.cuda.empty_cache()
-    return {"rows": out, "cuda_graphs": graphs}
+    for m, eng in engines.items():
+        rows = {}
+        for B in batches:
+            row = {"tokens_per_s": statistics.median(runs[m][B]), "runs": runs[m][B],
+                   **stats[m].get(B, {})}
+            if "plain" in toks and m != "plain":
+                same = sum(a == b for a, b in zip(toks[m][B], toks["plain"][B]))
+                row["greedy_identical_to_plain"] = f"{same}/{B} requests"
+            if args.device.startswith("cuda") and B in (batches[0], batches[-1]):
+                row["step_profile"] = step_profile(eng, ps[B])
+            rows[B] = row
+        out[m] = {"rows": rows, "cuda_graphs": graph_replays(eng)}
+        policy = getattr(eng.runner, "policy", None)
+        if policy is not None:
+            out[m]["cost_table_ms"] = {k: 1e3 * v[0] for k, v in policy.costs.cells.items()}
+            out[m]["why"] = policy.summary(batches[0])
+    del engines
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
 
 
 def graph_replays(engine: Engine) -> dict:
@@ -129,16 +155,20 @@ def graph_replays(engine: Engine) -> dict:
     r = engine.runner
     kinds = {"decode": getattr(r, "graphs", None), "verify": getattr(r, "verify_graphs", None),
              "spec_step": getattr(r, "step_graphs", None)}
+    for shape, w in getattr(r, "workers", {}).items():    # adaptive: each shape's own
+        kinds[f"verify {shape.label}"] = w.verify_graphs
+        kinds[f"spec_step {shape.label}"] = w.step_graphs
     return {k: g.replays for k, g in kinds.items() if g is not None}
 
 
 def hf_row(args, ids: list[int]) -> dict:
     from eaglekv.bench.e2e import load_hf, time_hf
-    hf = load_hf(args.model, getattr(torch, args.dtype), "cuda")
-    time_hf(hf, ids, 8, "cuda")
-    runs = [time_hf(hf, ids, args.new_tokens, "cuda") for _ in range(args.repeats)]
+    hf = load_hf(args.model, getattr(torch, args.dtype), args.device)
+    time_hf(hf, ids, 8, args.device)
+    runs = [time_hf(hf, ids, args.new_tokens, args.device) for _ in range(args.repeats)]
     del hf
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return {"tokens_per_s": statistics.median(runs), "runs": runs}
 
 
@@ -258,6 +288,27 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def table(result: dict) -> str:
+    """Markdown: tokens/s per mode and batch size (x plain in brackets)."""
+    modes = result["modes"]
+    bs = sorted({int(b) for m in modes.values() for b in m["rows"]})
+    plain = modes.get("plain", {}).get("rows", {})
+    lines = ["| tok/s | " + " | ".join(f"batch {b}" for b in bs) + " |",
+             "|---" * (len(bs) + 1) + "|"]
+    for name, m in modes.items():
+        cells = []
+        for b in bs:
+            r = m["rows"].get(b)
+            if r is None:
+                cells.append("")
+                continue
+            x = (f" ({r['tokens_per_s'] / plain[b]['tokens_per_s']:.2f}x)"
+                 if name != "plain" and b in plain else "")
+            cells.append(f"{r['tokens_per_s']:.1f}{x}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(args) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     modes = [m for m in args.modes.split(",")]
@@ -267,16 +318,10 @@ def main(args) -> None:
               "model": args.model, "model_short": os.path.basename(str(args.model)),
               "dtype": args.dtype, "new_tokens": args.new_tokens, "repeats": args.repeats,
               "command": args.command_line, "modes": {}}
-    reference = None
-    for mode in modes:
-        t = time.perf_counter()
-        m = run_mode(args, mode, batches, reference)
-        if mode == "plain":
-            reference = {B: r["_tokens"] for B, r in m["rows"].items()}
-        for r in m["rows"].values():
-            del r["_tokens"]
-        m["seconds"] = time.perf_counter() - t
-        result["modes"][mode] = m
+    t = time.perf_counter()
+    result["modes"] = run_modes(args, modes, batches)
+    result["seconds"] = time.perf_counter() - t
+    for mode, m in result["modes"].items():
         print(json.dumps({mode: {B: r["tokens_per_s"] for B, r in m["rows"].items()}}),
               flush=True)
     if "plain" in result["modes"]:
@@ -285,17 +330,28 @@ def main(args) -> None:
             mode: {B: m["rows"][B]["tokens_per_s"] / plain[B]["tokens_per_s"]
                    for B in m["rows"] if B in plain}
             for mode, m in result["modes"].items() if mode != "plain"}
+        fixed = [m for m in result["modes"] if m not in ("plain", "adaptive")]
+        if "adaptive" in result["modes"]:    # issue 15: vs plain and vs the best fixed shape
+            ad = result["modes"]["adaptive"]["rows"]
+            result["adaptive_vs"] = {
+                B: {"plain": ad[B]["tokens_per_s"] / plain[B]["tokens_per_s"],
+                    "best_fixed": ad[B]["tokens_per_s"] / max(
+                        [result["modes"][f]["rows"][B]["tokens_per_s"] for f in fixed]
+                        + [plain[B]["tokens_per_s"]])}
+                for B in ad}
     if not args.no_hf:
         from eaglekv.model.loader import load_checkpoint
         ids = load_checkpoint(args.model).tokenizer.encode(PROMPT)
         result["hf_transformers"] = hf_row(args, ids)
-    if args.llama8b:
+    if args.llama8b and args.device.startswith("cuda"):
         result["llama8b"] = llama8b_row()
     text = json.dumps(result, indent=2)
     print(text)
+    print(table(result))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"gpu_bench_{args.dtype}")
+        kind = "gpu" if args.device.startswith("cuda") else "cpu"
+        stem = os.path.join(args.out, f"{kind}_bench_{args.dtype}")
         with open(stem + ".json", "w") as f:
             f.write(text + "\n")
         plot(result, stem + ".png")

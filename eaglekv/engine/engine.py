@@ -51,12 +51,14 @@ class Engine:
         spec = cfg.speculative
         if drafter is not None and not spec.enabled:
             raise ConfigError("a drafter was passed but speculative.algorithm is 'none'")
+        # every candidate shape fits (one for a fixed config; adaptive chooses among several)
+        hull = spec.hull(self.device.type) if spec.enabled else None
         if spec.enabled:  # guard 2 before anything is allocated
-            kv_indices_width(spec, cfg.max_running_requests, self.max_context_len)
+            kv_indices_width(hull, cfg.max_running_requests, self.max_context_len)
         # verify positions reach L + num_steps, past the last committed one
         self.model = LlamaForCausalLM(mc, ckpt.state_dict, cfg.torch_dtype, self.device,
                                       max_positions=self.max_context_len
-                                      + (spec.num_steps + 1 if spec.enabled else 0))
+                                      + (hull.num_steps + 1 if spec.enabled else 0))
         del ckpt
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -70,7 +72,7 @@ class Engine:
                             draft_bytes_per_slot(draft_ckpt, cfg.torch_dtype))
         self.req_to_token = ReqToTokenPool(
             cfg.max_running_requests, self.max_context_len,
-            extra=extra_columns(spec, cfg.page_size) if spec.enabled else 0, device=self.device)
+            extra=extra_columns(hull, cfg.page_size) if spec.enabled else 0, device=self.device)
         self.allocator = SlotAllocator(size, cfg.page_size)
         self.kv_pool = KVPool(size, cfg.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
                               cfg.torch_dtype, self.device)

@@ -74,8 +74,9 @@ class Scheduler:
             if result.kv_advance is not None:
                 r.kv_len += result.kv_advance[i]
                 r.last_slot = result.last_slots[i]
-            if result.accepted is not None:
-                self._count(r, result.accepted[i], result.draft_tokens)
+            if result.accepted is not None and result.accepted[i] is not None:
+                dt = result.draft_tokens
+                self._count(r, result.accepted[i], dt[i] if isinstance(dt, list) else dt)
             if result.tokens[i] is not None:
                 r.append_tokens(result.tokens[i], result.logprobs[i])
         for r in plan.reqs:

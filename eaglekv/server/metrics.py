@@ -60,6 +60,9 @@ class Metrics:
         self.accepted_pos = Counter("eaglekv:spec_decode_num_accepted_tokens_per_pos",
                                     "verify steps whose draft token at this depth was accepted",
                                     lbl + ["position"], **m)
+        self.choices = Counter("eaglekv:spec_decode_steps_by_choice", "engine decode steps by "
+                               "what adaptive speculation chose (plain, S3K1N4, "
+                               "S3K1N4+plain: a split batch, ...)", lbl + ["choice"], **m)
         self.http = Counter("eaglekv:http_responses", "HTTP responses by status code",
                             ["status"], **m)
         # ---- older names -------------------------------------------------------------------
@@ -101,6 +104,12 @@ class Metrics:
 
     def _count_spec(self, st: SpecStats) -> None:
         seen = self._seen_spec
+        for choice, count in (st.choices or {}).items():
+            new = count - (seen.choices or {}).get(choice, 0)
+            if new > 0:
+                self._l(self.choices, choice=choice).inc(new)
+        if st.choices:
+            seen.choices = dict(st.choices)
         steps = st.verify_steps - seen.verify_steps
         if steps <= 0:
             return
@@ -116,7 +125,7 @@ class Metrics:
                 if new:
                     self._l(self.accepted_pos, position=str(pos)).inc(new)
         self._seen_spec = SpecStats(st.verify_steps, st.draft_tokens, st.accepted_tokens,
-                                    dict(st.accept_histogram))
+                                    dict(st.accept_histogram), seen.choices)
 
     def token_delivered(self, stream, now: float) -> None:
         """A delta with tokens reached a request's stream (engine thread)."""

@@ -128,6 +128,9 @@ def build_runner(res: RunnerResources, spec: SpecConfig, ckpt: DraftCheckpoint |
     family = FAMILIES[spec.algorithm]
     if drafter is None:
         drafter = family.drafter(res, spec, ckpt)
+    if spec.adaptive:   # plain or one of the candidate shapes, chosen each step
+        from eaglekv.speculative.adaptive_worker import AdaptiveWorker
+        return AdaptiveWorker(res, drafter, spec)
     return family.runner(res, drafter, spec)
 
 

@@ -1,0 +1,311 @@
+"""Adaptive speculation: each decode step chooses, from measured costs and live acceptance,
+plain decoding or one of a few draft shapes (num_steps, topk, num_draft_tokens), for the
+whole batch or for the requests whose drafts are being accepted, the others decoding plainly
+in the same step.
+
+    expected tokens of request b under shape s = 1 + corr_s * sum_{i <= S_s} rate_b[i]
+    step value = tokens of the step / (cost of its spec part + cost of its plain part)
+
+`rate_b[i]` is request b's exponentially averaged acceptance at draft position i (vLLM's and
+llama.cpp's definition: accepted at position i / drafts at position i, so rate[1] >= rate[2]
+>= ...); `corr_s` calibrates the chain sum to what shape s really accepts (a tree accepts more
+than the chain of its depth). Costs are seconds per step measured on this machine for every
+(choice, batch bucket) that ran: each cell is explored the first time it is needed, then kept
+as an exponential average and cached on disk per device, model, dtype and draft
+(`$EAGLEKV_CACHE/costs/`), so a later engine starts informed.
+
+Lossless whatever it chooses: the choice of step t is a function of the steps before t only
+(their measured times and their acceptance counts), never of step t's random draws. Given
+that history, plain sampling emits exactly the target distribution, and so does speculative
+sampling with any draft shape (the rejection rule is exact for any proposal). So every
+step's tokens, conditioned on the past, follow the target distribution, and by induction the
+whole output does; the choice only changes how many tokens a step produces and how fast.
+Greedy outputs are the target's argmax chain whatever the step chose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PLAIN = "plain"
+COST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Shape:
+    S: int
+    K: int
+    N: int
+
+    @property
+    def label(self) -> str:
+        return f"S{self.S}K{self.K}N{self.N}"
+
+
+def bucket(n: int) -> int:
+    """Costs are kept per power-of-two batch (the CUDA graph buckets up to 64)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# ---- costs ----------------------------------------------------------------------------------------
+class CostTable:
+    """Seconds per step for each (choice label, batch bucket) that has run, exponentially
+    averaged (`alpha`); the first two observations of a cell seed it with their minimum (a
+    first call can include one-time work). `frozen`: tests fix the costs."""
+
+    def __init__(self, path: Path | None = None, alpha: float = 0.1):
+        self.path, self.alpha = path, alpha
+        self.cells: dict[str, list[float]] = {}          # "label@bucket" -> [seconds, count]
+        self.frozen = False
+        if path is not None and path.exists():
+            try:
+                data = json.loads(path.read_text())
+                if data.get("version") == COST_VERSION:
+                    self.cells = {k: [float(v[0]), int(v[1])] for k, v in data["cells"].items()}
+            except (ValueError, KeyError, TypeError, IndexError):
+                self.cells = {}                           # a damaged cache is rebuilt
+
+    @classmethod
+    def fixed(cls, per_request: dict[str, float], max_batch: int = 1024) -> "CostTable":
+        """Frozen costs (tests): choice label -> seconds per request of a step, for every
+        bucket (a step of b requests costs b times it)."""
+        t = cls()
+        b = 1
+        while b <= max_batch:
+            for label, sec in per_request.items():
+                t.cells[cls.key(label, b)] = [sec * b, 2]
+            b *= 2
+        t.frozen = True
+        return t
+
+    @staticmethod
+    def key(label: str, n: int) -> str:
+        return f"{label}@{bucket(n)}"
+
+    def known(self, label: str, n: int) -> bool:
+        c = self.cells.get(self.key(label, n))
+        return c is not None and c[1] >= 2
+
+    def observe(self, label: str, n: int, seconds: float) -> None:
+        if self.frozen or seconds <= 0:
+            return
+        k = self.key(label, n)
+        c = self.cells.get(k)
+        if c is None:
+            self.cells[k] = [seconds, 1]
+        elif c[1] < 2:
+            self.cells[k] = [min(c[0], seconds), 2]
+            self.save()
+        else:
+            c[0] += self.alpha * (seconds - c[0])
+            c[1] += 1
+            if c[1] % 64 == 0:
+                self.save()
+
+    def get(self, label: str, n: int) -> float | None:
+        """The cell's seconds; an unknown cell is estimated from the same choice at another
+        bucket, scaled by plain decoding's ratio between the two (None: no way to say)."""
+        if self.known(label, n):
+            return self.cells[self.key(label, n)][0]
+        if label == PLAIN or not self.known(PLAIN, n):
+            return None
+        here = self.cells[self.key(PLAIN, n)][0]
+        best = None
+        for k, (sec, cnt) in self.cells.items():
+            lab, _, b = k.rpartition("@")
+            if lab == label and cnt >= 2 and self.known(PLAIN, int(b)):
+                est = sec * here / self.cells[self.key(PLAIN, int(b))][0]
+                if best is None or abs(int(b) - bucket(n)) < best[0]:
+                    best = (abs(int(b) - bucket(n)), est)
+        return None if best is None else best[1]
+
+    def save(self) -> None:
+        if self.path is None or self.frozen:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"version": COST_VERSION, "cells": self.cells}))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass                                          # a read-only cache dir: keep in memory
+
+
+def cost_cache_path(identity: dict) -> Path | None:
+    """Where this device + model + draft's costs are kept (None: `EAGLEKV_CACHE=""`)."""
+    root = os.environ.get("EAGLEKV_CACHE", str(Path.home() / ".cache" / "eaglekv"))
+    if not root:
+        return None
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(root) / "costs" / f"{key}.json"
+
+
+# ---- acceptance -----------------------------------------------------------------------------------
+@dataclass
+class ReqState:
+    rates: np.ndarray                  # (D,) acceptance at draft positions 1..D
+    speculating: bool = True
+    probes: int = 0                    # times it was switched off since it last accepted
+    wait: int = 0                      # plain steps before it may speculate again
+
+
+@dataclass
+class Choice:
+    shape: Shape | None                # the spec part's shape (None: every request plain)
+    spec: list[int] = field(default_factory=list)      # indices into the batch
+    plain: list[int] = field(default_factory=list)
+    explore: bool = False              # run to measure an unknown cost
+
+    @property
+    def label(self) -> str:
+        if self.shape is None:
+            return PLAIN
+        return self.shape.label + ("" if not self.plain else "+plain")
+
+
+class AdaptivePolicy:
+    """The choice each step (see the module docstring). `alpha`: a request's rate average;
+    `alpha_engine`: the engine-wide one new requests start from; `alpha_prior`: the slow
+    average a request that decodes plainly drifts back to (`beta` of the way a step). A request
+    switched off waits 2, 4, 8 ... up to `max_wait` plain steps (doubling each time it is
+    switched off again without accepting a draft), then is tried again if its drifted rates
+    say so: a collapsed request costs its batch a probe now and then, ever more rarely."""
+
+    def __init__(self, shapes: list[Shape], costs: CostTable, prior: float = 0.7,
+                 alpha: float = 0.3, alpha_engine: float = 0.05, alpha_prior: float = 0.01,
+                 beta: float = 0.1, max_wait: int = 64):
+        self.shapes = list(shapes)
+        self.depth = max(s.S for s in shapes)
+        self.costs = costs
+        self.alpha, self.alpha_engine, self.alpha_prior, self.beta = (alpha, alpha_engine,
+                                                                      alpha_prior, beta)
+        self.max_wait = max_wait
+        start = prior ** np.arange(1, self.depth + 1)
+        self.engine_rates = start.copy()
+        self.prior = start.copy()
+        self.corr = {s: 1.0 for s in shapes}
+        self.reqs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.counts: dict[str, int] = {}
+        self.last: Choice | None = None
+
+    # ---- per request ---------------------------------------------------------------------------
+    def state(self, req) -> ReqState:
+        st = self.reqs.get(req)
+        if st is None:
+            st = self.reqs[req] = ReqState(self.engine_rates.copy())
+        return st
+
+    def expected(self, rates: np.ndarray, shape: Shape) -> float:
+        """Expected accepted draft tokens under `shape` (rates made non-increasing)."""
+        eff = np.minimum.accumulate(rates[:shape.S])
+        return self.corr[shape] * float(eff.sum())
+
+    # ---- the choice ----------------------------------------------------------------------------
+    def choose(self, reqs) -> Choice:
+        B = len(reqs)
+        costs = self.costs
+        if costs.get(PLAIN, B) is None:
+            return self._chosen(Choice(None, [], list(range(B)), explore=True))
+        for s in self.shapes:               # a shape never measured at this size: try it once
+            if costs.get(s.label, B) is None:
+                return self._chosen(Choice(s, list(range(B)), [], explore=True))
+        states = [self.state(r) for r in reqs]
+        best = (B / costs.get(PLAIN, B), Choice(None, [], list(range(B))))
+        for s in self.shapes:
+            gain = np.array([-1.0 if st.wait else self.expected(st.rates, s)
+                             for st in states])                                # (B,)
+            order = np.argsort(-gain, kind="stable")
+            tokens = float(B)
+            for k in range(1, B + 1):
+                if gain[order[k - 1]] < 0:
+                    break                             # the rest wait for their next probe
+                tokens += gain[order[k - 1]]
+                cost = costs.get(s.label, k)
+                if k < B:
+                    plain = costs.get(PLAIN, B - k)
+                    cost = None if cost is None or plain is None else cost + plain
+                if cost is not None and tokens / cost > best[0]:
+                    best = (tokens / cost, Choice(s, sorted(order[:k].tolist()),
+                                                  sorted(order[k:].tolist())))
+        return self._chosen(best[1])
+
+    def _chosen(self, c: Choice) -> Choice:
+        self.counts[c.label] = self.counts.get(c.label, 0) + 1
+        self.last = c
+        return c
+
+    # ---- what happened -------------------------------------------------------------------------
+    def observe_plain(self, reqs) -> None:
+        """Requests that decoded plainly drift back toward the prior (see the class doc)."""
+        for r in reqs:
+            st = self.state(r)
+            if st.speculating:                # switched off: wait before the next try
+                st.probes += 1
+                st.wait = min(2 ** st.probes, self.max_wait)
+            st.speculating = False
+            st.wait = max(0, st.wait - 1)
+            st.rates += self.beta * (self.prior - st.rates)
+
+    def observe_spec(self, reqs, shape: Shape, accepted: list[int | None]) -> None:
+        """Accepted draft tokens of each request of a speculative step (None: it failed)."""
+        hits = np.arange(1, shape.S + 1)
+        for r, a in zip(reqs, accepted):
+            if a is None:
+                continue
+            st = self.state(r)
+            if a > 0:
+                st.probes = 0                 # drafts are accepted again
+            st.speculating = True
+            est = float(np.minimum.accumulate(st.rates[:shape.S]).sum())
+            if est > 0.05:
+                self.corr[shape] += 0.02 * (min(a / est, 4.0) - self.corr[shape])
+            x = (a >= hits).astype(np.float64)                                 # (S,)
+            st.rates[:shape.S] += self.alpha * (x - st.rates[:shape.S])
+            self.engine_rates[:shape.S] += self.alpha_engine * (x - self.engine_rates[:shape.S])
+            self.prior[:shape.S] += self.alpha_prior * (x - self.prior[:shape.S])
+
+    # ---- saying why ----------------------------------------------------------------------------
+    def summary(self, batch: int = 1) -> str:
+        """One sentence: what the steps were and why, at `batch` (e.g. for `make demo`)."""
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items(),
+                                                         key=lambda kv: -kv[1]))
+        plain = self.costs.get(PLAIN, batch)
+        best = None
+        for s in self.shapes:
+            c = self.costs.get(s.label, batch)
+            if plain is not None and c is not None:
+                e = 1 + self.expected(self.engine_rates, s)
+                if best is None or e / c > best[0]:
+                    best = (e / c, s, c / plain, e)
+        if best is None:
+            why = "costs not measured yet"
+        else:
+            _, s, ratio, e = best
+            on = e > ratio
+            why = (f"speculation {'pays' if on else 'off'} at batch {batch} on this machine: "
+                   f"the best shape {s.label} costs {ratio:.2f} decode steps for an expected "
+                   f"accept length {e:.2f}")
+        return f"adaptive steps: {counts or 'none'}; {why}"
+
+    def explain(self, batch: int) -> str:
+        """One line per choice at `batch`: its cost against plain decoding, the tokens a step
+        is expected to give with the engine-wide acceptance, and tokens/s."""
+        plain = self.costs.get(PLAIN, batch)
+        if plain is None:
+            return f"batch {batch}: plain decoding not measured yet"
+        lines = [f"batch {batch}: plain {1e3 * plain:.1f} ms/step, "
+                 f"{batch / plain:.1f} tok/s"]
+        for s in self.shapes:
+            c = self.costs.get(s.label, batch)
+            e = 1 + self.expected(self.engine_rates, s)
+            lines.append(f"  {s.label}: " + ("cost unknown" if c is None else
+                         f"{1e3 * c:.1f} ms/step = {c / plain:.2f} plain steps, expected "
+                         f"accept length {e:.2f} -> {batch * e / c:.1f} tok/s"))
+        return "\n".join(lines)

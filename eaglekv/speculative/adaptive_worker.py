@@ -1,0 +1,213 @@
+"""AdaptiveWorker: the speculative runner that chooses each step (speculative/adaptive.py).
+
+It holds one EagleWorker per candidate shape (sharing the target, the drafter and its KV
+pool) and runs, per decode step, the policy's choice: the speculative step of one shape for
+the requests chosen to speculate, and a plain decode step (one token each, the target's
+features kept) for the others.
+
+A request that decodes plainly leaves its draft behind: its `draft_state` becomes a `Lag`
+holding the draft inputs of the positions it decoded (token p + 1, target feature p). Before
+its next speculative step the draft extends over them in one forward (only the last
+position's logits are computed), which writes the draft's K/V of those positions into their
+slots (shared with the target's) and gives the root again. So a request that never
+speculates again costs nothing beyond plain decoding but a feature row a step.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from eaglekv.core import ForwardBatch, SpecStats, StepPlan, StepResult
+from eaglekv.runner import ModelRunner, guarded
+from eaglekv.speculative.adaptive import (PLAIN, AdaptivePolicy, CostTable, Shape,
+                                          cost_cache_path)
+from eaglekv.speculative.eagle_worker import EagleWorker
+
+
+@dataclass
+class Lag:
+    """Draft inputs not run yet: positions start, start + 1, ... (token p + 1, feature p)."""
+
+    start: int
+    tokens: list[int] = field(default_factory=list)
+    feats: list[torch.Tensor] = field(default_factory=list)
+
+
+class AdaptiveWorker:
+    separate_decode = True
+
+    def __init__(self, res, drafter, spec, costs: CostTable | None = None):
+        """`costs`: the cost table (tests fix one); None: this machine's, cached on disk."""
+        self.res, self.drafter, self.spec = res, drafter, spec
+        shapes = [Shape(*s) for s in spec.candidate_shapes(res.device.type)]
+        self.workers = {s: EagleWorker(res, drafter, spec.fixed(s.S, s.K, s.N)) for s in shapes}
+        self.first = self.workers[shapes[0]]
+        self.graphs = None
+        if res.cuda_graph_max_bs:    # the plain steps replay a captured decode, features kept
+            from eaglekv.cuda_graph import DecodeGraphs
+            self.graphs = DecodeGraphs(res.model, res.backend, res.cuda_graph_max_bs,
+                                       res.max_context_len, features=drafter)
+        self.plain_runner = ModelRunner(res, self.graphs)
+        if costs is None:
+            costs = CostTable(cost_cache_path(self.identity()))
+        self.policy = AdaptivePolicy(shapes, costs)
+        self.reset_stats()
+
+    def identity(self) -> dict:
+        """What the step costs depend on: device, shapes, dtype, graphs, threads, draft."""
+        res, mc = self.res, self.res.model.cfg
+        dev = (torch.cuda.get_device_name(res.device) if res.device.type == "cuda"
+               else f"{platform.machine()} {platform.processor()} {torch.get_num_threads()}t")
+        return {"device": dev, "torch": torch.__version__, "dtype": str(res.dtype),
+                "model": [mc.vocab_size, mc.hidden_size, mc.intermediate_size, mc.num_layers,
+                          mc.num_heads, mc.num_kv_heads, mc.head_dim],
+                "draft": [self.spec.algorithm, type(self.drafter).__name__,
+                          list(getattr(getattr(self.drafter, "model", None), "kv_shape",
+                                       lambda: ())())],
+                "graphs": res.cuda_graph_max_bs, "page_size": res.page_size}
+
+    # ---- stats (the sum over the shapes' workers, and the choices) ---------------------------------
+    def reset_stats(self) -> None:
+        for w in self.workers.values():
+            w.reset_stats()
+        self.policy.counts.clear()
+        self.plain_seconds = 0.0
+
+    @property
+    def stats(self) -> SpecStats:
+        out = SpecStats(accept_histogram={}, choices=dict(self.policy.counts))
+        for w in self.workers.values():
+            st = w.stats
+            out.verify_steps += st.verify_steps
+            out.draft_tokens += st.draft_tokens
+            out.accepted_tokens += st.accepted_tokens
+            for k, v in st.accept_histogram.items():
+                out.accept_histogram[k] = out.accept_histogram.get(k, 0) + v
+        return out
+
+    @property
+    def timings(self) -> dict[str, float]:
+        out = {"plain": self.plain_seconds}
+        for w in self.workers.values():
+            for k, v in w.timings.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    # ---- step geometry: the largest of the shapes' ---------------------------------------------
+    def step_pages(self, kv_len: int) -> int:
+        return max(w.step_pages(kv_len) for w in self.workers.values())
+
+    def window_pages(self, kv_len: int) -> int:
+        return max(w.window_pages(kv_len) for w in self.workers.values())
+
+    can_decode = staticmethod(EagleWorker.can_decode)
+
+    # ---- one step --------------------------------------------------------------------------------
+    def run(self, plan: StepPlan) -> StepResult:
+        with guarded(self.res.device):
+            if plan.kind == "extend":
+                return self.first.prefill(plan)
+            return self.decode(plan.reqs)
+
+    def decode(self, reqs) -> StepResult:
+        B = len(reqs)
+        choice = self.policy.choose(reqs)
+        out = StepResult(tokens=[None] * B, logprobs=[None] * B, failed=[False] * B,
+                         kv_advance=[0] * B, last_slots=[-1] * B, accepted=[None] * B,
+                         draft_tokens=[0] * B)
+        free = []
+        for part, idx in (("plain", choice.plain), ("spec", choice.spec)):
+            if not idx:
+                continue
+            sub = [reqs[i] for i in idx]
+            if part == "plain":
+                t = time.perf_counter()
+                res = self._plain(sub)
+                dt = time.perf_counter() - t
+                self.plain_seconds += dt
+                self.policy.costs.observe(PLAIN, len(sub), dt)
+                self.policy.observe_plain(sub)
+            else:
+                self._catch_up(sub)
+                t = time.perf_counter()
+                res = self.workers[choice.shape].decode(sub)
+                self.policy.costs.observe(choice.shape.label, len(sub), time.perf_counter() - t)
+                self.policy.observe_spec(sub, choice.shape,
+                                         [None if f else a
+                                          for f, a in zip(res.failed, res.accepted)])
+            for j, i in enumerate(idx):
+                out.tokens[i], out.logprobs[i], out.failed[i] = (res.tokens[j], res.logprobs[j],
+                                                                 res.failed[j])
+                out.kv_advance[i], out.last_slots[i] = res.kv_advance[j], res.last_slots[j]
+                if part == "spec":
+                    out.accepted[i], out.draft_tokens[i] = res.accepted[j], res.draft_tokens
+            if res.free_slots is not None:
+                free.append(res.free_slots)
+        out.free_slots = torch.cat(free) if free else None
+        return out
+
+    # ---- plain steps and catching up ---------------------------------------------------------------
+    def _plain(self, reqs) -> StepResult:
+        """One token per request (the root) at position kv_len: the target's forward, its
+        sampling as in plain decoding, and each request's draft input of that position kept."""
+        res = self.res
+        n = len(reqs)
+        prefix = [r.kv_len for r in reqs]
+        slots = res.allocator.alloc_decode(prefix, [r.last_slot for r in reqs])   # (n,) cpu
+        rows = [r.row for r in reqs]
+        where = torch.tensor([rows, prefix], dtype=torch.int64).to(res.device)
+        res.req_to_token.req_to_token[where[0], where[1]] = slots.to(res.device, torch.int32)
+        ids = [[r.output_ids[-1]] for r in reqs]
+        plan = StepPlan("extend", list(reqs), ids=ids, prefix_lens=prefix,
+                        slots=list(slots.view(-1, 1)))
+        everyone = list(range(n))
+        if self.graphs is not None and self.graphs.bucket(n) is not None:
+            result = self.plain_runner.run_graph(plan, everyone)
+            feats = self.graphs.last_features.clone()          # the next replay reuses it
+        else:
+            batch = ForwardBatch.build(ids, prefix, rows, slots, res.device)
+            fwd = res.model.forward(batch, res.backend, logits_indices=batch.last_token_indices,
+                                    return_hidden=True,
+                                    capture_layers=self.drafter.capture_layers)
+            feats = self.drafter.features(fwd)                                    # (n, Hf)
+            result = ModelRunner.sample(plan, everyone, fwd.logits)
+        result.kv_advance, result.last_slots = [0] * n, [-1] * n
+        result.accepted = [None] * n
+        bad = []
+        for i, r in enumerate(reqs):
+            if result.failed[i]:
+                bad.append(slots[i:i + 1])
+                continue
+            result.kv_advance[i], result.last_slots[i] = 1, int(slots[i])
+            lag = r.draft_state if isinstance(r.draft_state, Lag) else Lag(r.kv_len)
+            lag.tokens.append(result.tokens[i][0])
+            lag.feats.append(feats[i])
+            r.draft_state = lag
+        result.free_slots = torch.cat(bad) if bad else None
+        return result
+
+    def _catch_up(self, reqs) -> None:
+        """The draft over every lagging request's kept inputs, in one extend."""
+        lag = [r for r in reqs if isinstance(r.draft_state, Lag)]
+        if not lag:
+            return
+        r2t = self.res.req_to_token.req_to_token
+        ids, prefix, slots, hidden = [], [], [], []
+        for r in lag:
+            st = r.draft_state
+            assert st.start + len(st.tokens) == r.kv_len, (st.start, len(st.tokens), r.kv_len)
+            ids.append(st.tokens)
+            prefix.append(st.start)
+            slots.append(r2t[r.row, st.start:r.kv_len].to(torch.int64))
+            hidden.append(torch.stack(st.feats))
+        self.first._draft_extend(lag, ids, prefix, torch.cat(slots), torch.cat(hidden),
+                                 [r.all_ids for r in lag])
+
+    def explain(self, batch: int = 1) -> str:
+        """What the policy chose so far and why (the CLI prints it with the step counts)."""
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(self.policy.counts.items()))
+        return f"steps per choice: {counts or 'none yet'}\n{self.policy.explain(batch)}"

@@ -1,0 +1,276 @@
+"""Adaptive speculation (issue 15): the policy's arithmetic, its cost cache, the runner's plain
+steps and draft catch-up, switching off and on with a drafter whose acceptance changes, and
+the target distribution kept under adaptive choices."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from eaglekv import SamplingParams
+from eaglekv.config import SpecConfig
+from eaglekv.core import ForwardBatch
+from eaglekv.errors import ConfigError
+from eaglekv.speculative.adaptive import (PLAIN, AdaptivePolicy, Choice, CostTable, Shape,
+                                          bucket)
+from eaglekv.speculative.adaptive_worker import Lag
+from eaglekv.speculative.drafter import ScriptedDrafter
+from helpers import PROMPTS, fresh_kv, oracle, tiny_engine
+from sampling_helpers import CHI2_999, N_SAMPLES, PARAMS, PROMPT, NoisySelfDrafter, chi_square
+
+S3 = Shape(3, 1, 4)
+
+
+class FakeReq:       # the policy keys its state by request identity
+    pass
+
+
+# ---- config --------------------------------------------------------------------------------------
+def test_adaptive_is_the_default_for_the_default_draft_only():
+    assert SpecConfig(algorithm="eagle", draft_model="default").adaptive
+    fixed = SpecConfig(algorithm="eagle", draft_model="default", num_steps=3)
+    assert not fixed.adaptive and (fixed.num_steps, fixed.topk, fixed.num_draft_tokens) == (3, 1, 4)
+    assert not SpecConfig(algorithm="eagle", draft_model="random").adaptive
+    a = SpecConfig(algorithm="eagle", draft_model="random", adaptive=True, shapes=[(2, 1, 3)])
+    assert a.candidate_shapes("cpu") == ((2, 1, 3),)
+    assert a.hull("cpu").num_steps == 2
+    cuda = SpecConfig(algorithm="eagle", draft_model="default").hull("cuda")
+    assert (cuda.num_steps, cuda.topk, cuda.num_draft_tokens) == (5, 2, 8)
+
+
+@pytest.mark.parametrize("options,words", [
+    (dict(adaptive=True, num_steps=3), "restrict its candidates"),
+    (dict(shapes=((3, 1, 4),)), "set adaptive=True"),
+    (dict(adaptive=True, shapes=((3, 1, 5),)), "num_steps + 1 = 4, not 5"),
+    (dict(adaptive=True, shapes=()), "nothing to choose"),
+    (dict(adaptive=True, shapes=((3, 1),)), "not a (num_steps"),
+])
+def test_adaptive_config_errors(options, words):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace("+", r"\+")):
+        SpecConfig(algorithm="eagle", draft_model="random", **options)
+    with pytest.raises(ConfigError, match="adaptive speculation drives"):
+        SpecConfig(algorithm="multi_layer_eagle", draft_model="random", adaptive=True)
+
+
+# ---- costs ---------------------------------------------------------------------------------------
+def test_cost_table_cells_estimates_and_cache(tmp_path):
+    path = tmp_path / "c.json"
+    t = CostTable(path)
+    assert t.get(PLAIN, 1) is None
+    t.observe(PLAIN, 1, 0.030)
+    assert not t.known(PLAIN, 1)                       # one observation is not enough
+    t.observe(PLAIN, 1, 0.020)
+    assert t.get(PLAIN, 1) == pytest.approx(0.020)     # seeded by the smaller
+    t.observe(PLAIN, 1, 0.030)
+    assert t.get(PLAIN, 1) == pytest.approx(0.021)     # then averaged (alpha 0.1)
+    for label, n, sec in ((PLAIN, 3, 0.04), (PLAIN, 2, 0.025), (S3.label, 2, 0.03)):
+        t.observe(label, n, sec)
+        t.observe(label, n, sec)
+    # S3 at batch 3 (bucket 4) not measured: scaled from bucket 2 by plain's ratio 0.04/0.025
+    assert t.get(S3.label, 3) == pytest.approx(0.03 * 0.04 / 0.025)
+    assert t.get(S3.label, 64) is None                 # plain unknown there: no estimate
+    assert bucket(3) == 4 and bucket(1) == 1 and bucket(64) == 64 and bucket(65) == 128
+    again = CostTable(path)                            # what was seeded reached the disk
+    assert again.known(PLAIN, 1) and again.known(S3.label, 2)
+    path.write_text("{not json")
+    assert CostTable(path).cells == {}                 # a damaged cache is not trusted
+    path.write_text(json.dumps({"version": -1, "cells": {"plain@1": [1.0, 9]}}))
+    assert CostTable(path).cells == {}                 # nor one of another layout
+
+
+# ---- the choice ----------------------------------------------------------------------------------
+def policy(costs: dict[str, float], shapes=(S3,)) -> AdaptivePolicy:
+    return AdaptivePolicy(list(shapes), CostTable.fixed(costs))
+
+
+def test_choice_follows_costs_and_acceptance():
+    p = policy({PLAIN: 1.0, S3.label: 1.5})
+    good, bad = FakeReq(), FakeReq()
+    p.state(good).rates[:] = 0.9
+    p.state(bad).rates[:] = 0.0
+    assert p.expected(np.array([0.9, 0.5, 0.8]), S3) == pytest.approx(0.9 + 0.5 + 0.5)
+    c = p.choose([good])
+    assert c.shape == S3 and c.spec == [0] and not c.plain
+    c = p.choose([bad])
+    assert c.shape is None and c.plain == [0]
+    c = p.choose([bad, good])                        # the collapsed one decodes plainly
+    assert c.shape == S3 and c.spec == [1] and c.plain == [0] and c.label == "S3K1N4+plain"
+    expensive = policy({PLAIN: 1.0, S3.label: 4.0})  # 4 plain steps for at most 3.7 tokens
+    r = FakeReq()
+    expensive.state(r).rates[:] = 0.9
+    assert expensive.choose([r]).shape is None
+
+
+def test_unknown_costs_are_explored_first():
+    p = AdaptivePolicy([S3, Shape(1, 1, 2)], CostTable())
+    r = FakeReq()
+    c = p.choose([r])
+    assert c.explore and c.shape is None
+    for _ in range(2):
+        p.costs.observe(PLAIN, 1, 0.01)
+    c = p.choose([r])
+    assert c.explore and c.shape == S3
+    for _ in range(2):
+        p.costs.observe(S3.label, 1, 0.012)
+    assert p.choose([r]).shape == Shape(1, 1, 2)
+
+
+def test_rates_collapse_then_drift_back_with_backoff():
+    p = policy({PLAIN: 1.0, S3.label: 1.5})
+    r = FakeReq()
+    p.state(r).rates[:] = 1.0
+    steps_on = 0
+    while p.choose([r]).shape is not None:          # every draft rejected at depth 1
+        p.observe_spec([r], S3, [0])
+        steps_on += 1
+    assert 1 <= steps_on <= 8, steps_on
+    gaps = []
+    for _ in range(3):                              # off; a probe comes, fails again
+        gap = 0
+        while p.choose([r]).shape is None:
+            p.observe_plain([r])
+            gap += 1
+            assert gap < 500
+        gaps.append(gap)
+        p.observe_spec([r], S3, [0])
+        while p.choose([r]).shape is not None:
+            p.observe_spec([r], S3, [0])
+    assert gaps[0] < gaps[1] < gaps[2], gaps        # each failed probe waits longer
+    p.observe_spec([r], S3, [3])                    # it accepts again: speculation stays on
+    p.observe_spec([r], S3, [3])
+    assert p.choose([r]).shape == S3
+
+
+def test_tree_correction_learns_what_the_shape_accepts():
+    tree = Shape(2, 2, 4)
+    p = policy({PLAIN: 1.0, tree.label: 1.5}, shapes=(tree,))
+    r = FakeReq()
+    rng = np.random.default_rng(0)
+    for _ in range(300):                  # the tree accepts 1.5 where the chain sum says 0.75
+        p.state(r).rates[:] = [0.5, 0.25]
+        p.observe_spec([r], tree, [1 if rng.random() < 0.5 else 2])
+    assert p.corr[tree] == pytest.approx(2.0, rel=0.25)
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+def adaptive_engine(tiny_dir, shapes=((3, 1, 4),), costs=None, **options):
+    spec = dict(algorithm="eagle", draft_model=options.pop("draft_model", "random"),
+                adaptive=True, shapes=shapes)
+    eng = tiny_engine(tiny_dir, speculative=spec, **options)
+    if costs is not None:
+        eng.runner.policy.costs = CostTable.fixed(costs)
+    return eng
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    eng = tiny_engine(tiny_dir, max_running_requests=4)
+    return [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=40,
+                                                                      ignore_eos=True))]
+
+
+def scripted_choices(eng, plan):
+    """Replace the policy's choice by `plan(step, n) -> Choice` (the worker must run any)."""
+    pol = eng.runner.policy
+    count = iter(range(10**6))
+    pol.choose = lambda reqs: pol._chosen(plan(next(count), len(reqs)))
+
+
+def test_any_mix_of_plain_and_speculative_steps_is_lossless_and_keeps_the_kv(tiny_dir, reference):
+    """Plain steps, speculative steps and split steps in turn: greedy equals plain decoding,
+    and whenever a request's draft has caught up, its draft K/V (and the target's) equal a
+    fresh prefill of its tokens."""
+    from eaglekv.attention import TorchAttentionBackend
+    from eaglekv.memory import KVPool
+    eng = adaptive_engine(tiny_dir, shapes=((3, 1, 4), (2, 2, 4)), max_running_requests=4)
+    shapes = [Shape(3, 1, 4), Shape(2, 2, 4)]
+
+    def plan(step, n):
+        kind = step % 4
+        if kind == 0:
+            return Choice(None, [], list(range(n)))
+        if kind == 3 and n > 1:
+            return Choice(shapes[step % 2], list(range(0, n, 2)), list(range(1, n, 2)))
+        return Choice(shapes[step % 2], list(range(n)), [])
+    scripted_choices(eng, plan)
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=40, ignore_eos=True))
+            for p in PROMPTS]
+    draft = eng.worker.drafter
+    lagged = caught = 0
+    while eng.has_unfinished():
+        eng.step()
+        for r in reqs:
+            if r.finished or not r.kv_len:
+                continue
+            if isinstance(r.draft_state, Lag):
+                lagged += 1
+                continue
+            caught += 1
+            ids = r.all_ids[:r.kv_len]
+            slots = eng.req_to_token.req_to_token[r.row, :r.kv_len].to(torch.int64)
+            pool, fslots, hidden, r2t, _ = fresh_kv(eng.model, ids)
+            torch.testing.assert_close(eng.kv_pool.k_buffer[1][slots], pool.k_buffer[1][fslots],
+                                       atol=1e-4, rtol=1e-4)
+            dpool = KVPool(len(ids) + 1, 1, *draft.model.kv_shape())
+            dbatch = ForwardBatch.build([r.all_ids[1:r.kv_len + 1]], [0], [1], fslots)
+            dback = TorchAttentionBackend(dpool, r2t)
+            draft.model.forward(dbatch.input_ids, dbatch.positions, hidden, dback,
+                                dback.init_forward_metadata(dbatch))
+            torch.testing.assert_close(draft.kv_pool.k_buffer[0][slots],
+                                       dpool.k_buffer[0][fslots], atol=1e-4, rtol=1e-4)
+    assert [r.output_ids for r in reqs] == reference
+    assert lagged and caught
+    st = eng.spec_stats()
+    assert st.choices[PLAIN] > 0 and st.verify_steps > 0
+    assert any(k.endswith("+plain") for k in st.choices)
+    eng.check_memory()
+    assert eng.allocator.is_full()
+
+
+def test_switches_off_and_back_on_as_acceptance_changes(tiny_dir, reference):
+    """A drafter right for 12 tokens, wrong for the next 30, then right again: speculation
+    stops during the wrong stretch and resumes after it; the output is plain greedy's."""
+    wrong = lambda j: 12 <= j < 42                                      # noqa: E731
+    ref = tiny_engine(tiny_dir).generate([PROMPTS[0]], SamplingParams(max_new_tokens=110,
+                                                                      ignore_eos=True))[0]
+    eng = adaptive_engine(tiny_dir, costs={PLAIN: 1.0, "S3K1N4": 1.6},
+                          drafter=ScriptedDrafter(oracle(PROMPTS[:1], [ref.token_ids], wrong),
+                                                  256))
+    req = eng.add_request(PROMPTS[0], SamplingParams(max_new_tokens=110, ignore_eos=True))
+    trace = []                                      # (output index at the step, choice)
+    while eng.has_unfinished():
+        n = len(req.output_ids)
+        eng.step()
+        if eng.runner.policy.last is not None and n:
+            trace.append((n, eng.runner.policy.last.label))
+            eng.runner.policy.last = None
+    assert req.output_ids == ref.token_ids
+    before = [c for n, c in trace if n < 12]
+    during = [c for n, c in trace if 20 <= n < 42]
+    after = [c for n, c in trace if n >= 70]
+    assert before and all(c == "S3K1N4" for c in before), trace
+    assert during.count(PLAIN) > len(during) / 2, trace       # off, but for a few probes
+    assert after and all(c == "S3K1N4" for c in after), trace
+    eng.check_memory()
+
+
+def test_adaptive_sampling_keeps_the_target_distribution(tiny_dir):
+    """T > 0 with the policy choosing per request (some speculate, some decode plainly in the
+    same step): the joint law of the first three tokens is the target's (chi-square)."""
+    from sampling_helpers import exact_joint
+    base = tiny_engine(tiny_dir)
+    joint = exact_joint(base.model)
+    eng = adaptive_engine(tiny_dir, shapes=((2, 1, 3),), costs={PLAIN: 1.0, "S2K1N3": 2.1},
+                          max_running_requests=64, seed=4,
+                          drafter=NoisySelfDrafter(base.model))
+    outs = eng.generate([PROMPT] * N_SAMPLES, PARAMS)
+    stat, dof = chi_square([tuple(o.token_ids) for o in outs], joint)
+    assert stat < CHI2_999[dof], (stat, dof)
+    st = eng.spec_stats()
+    assert st.verify_steps > 0 and 0 < st.accepted_tokens < 2 * st.verify_steps
+    assert any("plain" in k for k in st.choices), st.choices      # both kinds of step ran
+    eng.check_memory()
+    assert eng.allocator.is_full()
