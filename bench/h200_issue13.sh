@@ -16,8 +16,10 @@ fi
 case "${1:-bench}" in
   bench)
     [ "${FLOOR:-1}" = 1 ] && python3 .carry/graph_floor.py > "$OUT/graph_floor.txt" 2>&1
-    python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 --model "$M" --new-tokens 256 \
-      --repeats 2 --llama8b --out "$OUT" 2>&1 | tail -c 20000 > "$OUT/bench.log"
+    timeout "${BENCH_TIMEOUT:-560}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
+      --model "$M" --new-tokens "${NEW_TOKENS:-256}" --repeats 2 ${LLAMA8B:---llama8b} \
+      --modes "${MODES:-plain,eagle_chain_S3K1N4,eagle_chain_S5K1N6,eagle_tree_S4K2N8,adaptive}" \
+      --out "$OUT" 2>&1 | tail -c 20000 > "$OUT/bench.log"
     tail -5 "$OUT/bench.log"; cat "$OUT/graph_floor.txt" 2>/dev/null
     ;;
   tests)

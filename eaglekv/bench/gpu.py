@@ -126,6 +126,10 @@ def run_modes(args, modes: list[str], batches: list[int]) -> dict:
                                                                for k, v in w.timings.items()}}
                     if st.choices is not None:
                         stats[m][B]["steps_per_choice"] = dict(st.choices)
+        if args.out:    # what a round measured, in case a later stage runs out of time
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "partial_runs.json"), "w") as f:
+                json.dump({"runs": runs, "stats": stats}, f, indent=1)
     out = {}
     for m, eng in engines.items():
         rows = {}

@@ -274,3 +274,31 @@ def test_adaptive_sampling_keeps_the_target_distribution(tiny_dir):
     assert any("plain" in k for k in st.choices), st.choices      # both kinds of step ran
     eng.check_memory()
     assert eng.allocator.is_full()
+
+
+# ---- on the GPU: plain steps replay the decode graph (features kept), spec steps their own -------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("alg", ["eagle", "eagle3"])
+def test_gpu_adaptive_mix_greedy_equals_plain(tiny_dir, deep_dir, alg, graphs):
+    d = tiny_dir if alg == "eagle" else deep_dir
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 47))]
+    plain = [o.token_ids for o in tiny_engine(d, device="cuda").generate(prompts, sp)]
+    eng = tiny_engine(d, device="cuda", max_running_requests=4, disable_cuda_graph=not graphs,
+                      speculative=dict(algorithm=alg, draft_model="random", adaptive=True,
+                                       shapes=((3, 1, 4), (2, 2, 4))))
+    shapes = [Shape(3, 1, 4), Shape(2, 2, 4)]
+    scripted_choices(eng, lambda step, n: (
+        Choice(None, [], list(range(n))) if step % 3 == 0 else
+        Choice(shapes[step % 2], [0], list(range(1, n))) if step % 3 == 1 and n > 1 else
+        Choice(shapes[step % 2], list(range(n)), [])))
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == plain
+    w = eng.runner
+    if graphs:
+        assert w.graphs.replays > 0
+        assert sum(x.step_graphs.replays for x in w.workers.values()
+                   if x.step_graphs is not None) > 0
+    eng.check_memory()
+    assert eng.allocator.is_full()
