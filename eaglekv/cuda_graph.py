@@ -33,6 +33,14 @@ from eaglekv.sampling import valid_argmax
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
+def store_features(table: torch.Tensor, slots: torch.Tensor, feats: torch.Tensor) -> None:
+    """table[slots] = feats, a slot outside the table redirected to row 0 (the padding page:
+    the K/V store of the same step refuses that slot and fails the step with KVIndexError,
+    so a bad slot never writes past the table nor into another request's row)."""
+    ok = (slots >= 0) & (slots < table.shape[0])
+    table.index_copy_(0, torch.where(ok, slots, torch.zeros_like(slots)), feats.to(table.dtype))
+
+
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
     """1, 2, 4, ..., 64, then every 64 up to `max_batch`, and `max_batch` itself."""
     out = [b for b in DEFAULT_BUCKETS if b < max_batch]
@@ -113,13 +121,15 @@ class DecodeGraphs(CapturedForwards):
     FIELDS = ("ids", "positions", "rows", "slots")
 
     def __init__(self, model, backend, max_batch: int, max_kv_len: int, progress: bool = True,
-                 capture: bool = True, features=None):
-        """`features`: None, or a drafter whose `features(output)` the forward also returns
-        (the adaptive runner's plain steps keep them for the draft to catch up on)."""
+                 capture: bool = True, features=None, feature_table=None, req_to_token=None):
+        """The adaptive runner's plain steps: `features` (a drafter) and `feature_table`
+        (slots, Hf): the forward also writes each token's draft feature at its slot, for the
+        draft to catch up on later; `req_to_token` (rows, width) int32: it also writes each
+        request's new slot into the table (one host copy a step does it all)."""
         super().__init__(model, backend, max_batch, capture)
         self.max_kv_len = max_kv_len
-        self.features = features
-        self.last_features = None     # (n, Hf) of the last replay, when `features` is set
+        self.features, self.feature_table, self.req_to_token = (features, feature_table,
+                                                                req_to_token)
         n = self.buckets[-1]
         # one pinned host block and its device twin: a replay is one copy of (4, n) int64
         self.host = torch.zeros(len(self.FIELDS), n, dtype=torch.int64)
@@ -131,15 +141,19 @@ class DecodeGraphs(CapturedForwards):
 
     def _forward(self, b: int) -> tuple:
         ids, pos, rows, slots = (self.dev[i, :b] for i in range(len(self.FIELDS)))
+        if self.req_to_token is not None:    # padding rows: row 0, position 0 <- slot 0
+            self.req_to_token[rows, pos] = slots.to(torch.int32)
         meta = self.backend.decode_metadata(rows * self.backend.width, pos + 1, slots,
                                             self.max_kv_len)
         f = self.features
         out = self.model.forward_tokens(ids, pos, self.backend, meta, return_hidden=f is not None,
                                         capture_layers=() if f is None else f.capture_layers)
         logits = out.logits                                                       # (b, V)
+        if f is not None:
+            store_features(self.feature_table, slots, f.features(out))
         # the greedy pick and its validity (sampling.valid_argmax), for an all-greedy batch
         greedy = torch.stack([logits.argmax(-1), valid_argmax(logits).long()], 1)  # (b, 2)
-        return logits, greedy, (None if f is None else f.features(out))
+        return logits, greedy
 
     def replay(self, ids: list[int], positions: list[int], rows: list[int],
                slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,8 +167,7 @@ class DecodeGraphs(CapturedForwards):
         h[0, :n], h[1, :n], h[2, :n], h[3, :n] = ids, positions, rows, slots
         # the host block is not written again before the step's sync: the copy is done then
         self.dev.copy_(self.host, non_blocking=True)
-        logits, greedy, feats = self._replay(b)
-        self.last_features = None if feats is None else feats[:n]
+        logits, greedy = self._replay(b)
         return logits[:n], greedy[:n]
 
 

@@ -26,7 +26,8 @@ from eaglekv.model import LlamaForCausalLM
 from eaglekv.model.llama import cpu_blas_threads
 from eaglekv.model.loader import load_checkpoint
 from eaglekv.runner import ModelRunner, RunnerResources
-from eaglekv.speculative.factory import build_runner, draft_bytes_per_slot, load_draft
+from eaglekv.speculative.factory import (build_runner, draft_bytes_per_slot,
+                                        feature_bytes_per_slot, load_draft)
 from eaglekv.speculative.slots import extra_columns, kv_indices_width
 
 Prompt = str | Sequence[int]
@@ -69,7 +70,9 @@ class Engine:
                       else None)
         # 3. memory sizing, KV cache, request table
         size = plan_kv_size(cfg, mc, self.max_context_len,
-                            draft_bytes_per_slot(draft_ckpt, cfg.torch_dtype))
+                            draft_bytes_per_slot(draft_ckpt, cfg.torch_dtype)
+                            + (feature_bytes_per_slot(spec, mc, cfg.torch_dtype)
+                               if spec.enabled else 0))
         self.req_to_token = ReqToTokenPool(
             cfg.max_running_requests, self.max_context_len,
             extra=extra_columns(hull, cfg.page_size) if spec.enabled else 0, device=self.device)

@@ -57,13 +57,15 @@ def bucket(n: int) -> int:
 # ---- costs ----------------------------------------------------------------------------------------
 class CostTable:
     """Seconds per step for each (choice label, batch bucket) that has run, exponentially
-    averaged (`alpha`); the first two observations of a cell seed it with their minimum (a
-    first call can include one-time work). `frozen`: tests fix the costs."""
+    averaged (`alpha`). A cell's first observation is dropped (a first call can include
+    one-time work: a kernel compiled, a buffer grown) and the next two seed it with their
+    minimum. `frozen`: tests fix the costs."""
 
     def __init__(self, path: Path | None = None, alpha: float = 0.1):
         self.path, self.alpha = path, alpha
         self.cells: dict[str, list[float]] = {}          # "label@bucket" -> [seconds, count]
         self.frozen = False
+        self.epoch = 0        # bumped when a cell becomes known, and every 32 updates after
         if path is not None and path.exists():
             try:
                 data = json.loads(path.read_text())
@@ -80,7 +82,7 @@ class CostTable:
         b = 1
         while b <= max_batch:
             for label, sec in per_request.items():
-                t.cells[cls.key(label, b)] = [sec * b, 2]
+                t.cells[cls.key(label, b)] = [sec * b, 3]
             b *= 2
         t.frozen = True
         return t
@@ -91,7 +93,7 @@ class CostTable:
 
     def known(self, label: str, n: int) -> bool:
         c = self.cells.get(self.key(label, n))
-        return c is not None and c[1] >= 2
+        return c is not None and c[1] >= 3
 
     def observe(self, label: str, n: int, seconds: float) -> None:
         if self.frozen or seconds <= 0:
@@ -99,13 +101,17 @@ class CostTable:
         k = self.key(label, n)
         c = self.cells.get(k)
         if c is None:
-            self.cells[k] = [seconds, 1]
-        elif c[1] < 2:
-            self.cells[k] = [min(c[0], seconds), 2]
-            self.save()
+            self.cells[k] = [float("inf"), 1]              # the warm-up call: not kept
+        elif c[1] < 3:
+            self.cells[k] = [min(c[0], seconds), c[1] + 1]
+            if c[1] + 1 == 3:
+                self.epoch += 1
+                self.save()
         else:
             c[0] += self.alpha * (seconds - c[0])
             c[1] += 1
+            if c[1] % 32 == 0:
+                self.epoch += 1
             if c[1] % 64 == 0:
                 self.save()
 
@@ -120,7 +126,7 @@ class CostTable:
         best = None
         for k, (sec, cnt) in self.cells.items():
             lab, _, b = k.rpartition("@")
-            if lab == label and cnt >= 2 and self.known(PLAIN, int(b)):
+            if lab == label and cnt >= 3 and self.known(PLAIN, int(b)):
                 est = sec * here / self.cells[self.key(PLAIN, int(b))][0]
                 if best is None or abs(int(b) - bucket(n)) < best[0]:
                     best = (abs(int(b) - bucket(n)), est)
@@ -194,6 +200,10 @@ class AdaptivePolicy:
         self.reqs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.counts: dict[str, int] = {}
         self.last: Choice | None = None
+        self.steps = 0
+        self._curves: dict[tuple, np.ndarray] = {}
+        self.refresh_every = 128
+        self.next_refresh = 128
 
     # ---- per request ---------------------------------------------------------------------------
     def state(self, req) -> ReqState:
@@ -211,30 +221,85 @@ class AdaptivePolicy:
     def choose(self, reqs) -> Choice:
         B = len(reqs)
         costs = self.costs
+        self.steps += 1
         if costs.get(PLAIN, B) is None:
             return self._chosen(Choice(None, [], list(range(B)), explore=True))
-        for s in self.shapes:               # a shape never measured at this size: try it once
+        for s in self.shapes:               # a shape never measured at this size: try it
             if costs.get(s.label, B) is None:
                 return self._chosen(Choice(s, list(range(B)), [], explore=True))
         states = [self.state(r) for r in reqs]
-        best = (B / costs.get(PLAIN, B), Choice(None, [], list(range(B))))
+        if all(st.wait for st in states):
+            return self._chosen(self._refresh(B, None) or Choice(None, [], list(range(B))))
+        if B == 1:      # the latency case, in scalars (numpy's per-call cost would dominate)
+            return self._chosen(self._choose_one(states[0]))
+        # (B, D) rates made non-increasing, summed: cum[b, i] = expected accepted of depth i+1
+        cum = np.minimum.accumulate(np.stack([st.rates for st in states]), axis=1).cumsum(1)
+        waiting = np.array([st.wait > 0 for st in states])
+        k = np.arange(B + 1)                                                   # spec part size
+        plain_cost = self._cost_curve(PLAIN, B)                                # [n] for n = 0..B
+        best_v, best = B / plain_cost[B], Choice(None, [], list(range(B)))
         for s in self.shapes:
-            gain = np.array([-1.0 if st.wait else self.expected(st.rates, s)
-                             for st in states])                                # (B,)
+            gain = np.where(waiting, -np.inf, self.corr[s] * cum[:, s.S - 1])  # (B,)
             order = np.argsort(-gain, kind="stable")
-            tokens = float(B)
-            for k in range(1, B + 1):
-                if gain[order[k - 1]] < 0:
-                    break                             # the rest wait for their next probe
-                tokens += gain[order[k - 1]]
-                cost = costs.get(s.label, k)
-                if k < B:
-                    plain = costs.get(PLAIN, B - k)
-                    cost = None if cost is None or plain is None else cost + plain
-                if cost is not None and tokens / cost > best[0]:
-                    best = (tokens / cost, Choice(s, sorted(order[:k].tolist()),
-                                                  sorted(order[k:].tolist())))
-        return self._chosen(best[1])
+            g = gain[order]
+            usable = int(np.isfinite(g).sum())                 # the waiting ones sort last
+            tokens = B + np.concatenate([[0.0], np.cumsum(g[:usable])])        # k = 0..usable
+            cost = self._cost_curve(s.label, B)[:usable + 1] + plain_cost[B - k[:usable + 1]]
+            value = tokens / cost
+            value[0] = -np.inf                                 # k = 0 is plain decoding
+            i = int(np.argmax(value)) if usable else 0
+            if usable and value[i] > best_v:
+                best_v = value[i]
+                best = Choice(s, sorted(order[:i].tolist()), sorted(order[i:].tolist()))
+        return self._chosen(self._refresh(B, best) or best)
+
+    def _choose_one(self, st: ReqState) -> Choice:
+        best_v, best = 1 / self._cost_curve(PLAIN, 1)[1], Choice(None, [], [0])
+        run, total = float("inf"), 0.0
+        sums = []
+        for r in st.rates.tolist():       # expected accepted of each depth, rates non-increasing
+            run = min(run, r)
+            total += run
+            sums.append(total)
+        for s in self.shapes:
+            v = (1 + self.corr[s] * sums[s.S - 1]) / self._cost_curve(s.label, 1)[1]
+            if v > best_v:
+                best_v, best = v, Choice(s, [0], [])
+        return self._refresh(1, best) or best
+
+    def _cost_curve(self, label: str, B: int) -> np.ndarray:
+        """[n] seconds of a step of n requests for n = 0..B (0 at n = 0, inf if unknown),
+        recomputed when the cost table's epoch moves."""
+        key = (label, B, self.costs.epoch, id(self.costs))
+        hit = self._curves.get(key)
+        if hit is not None:
+            return hit
+        if len(self._curves) > 4096:
+            self._curves.clear()
+        out = np.zeros(B + 1)
+        cache: dict[int, float] = {}
+        for n in range(1, B + 1):
+            b = bucket(n)
+            if b not in cache:
+                c = self.costs.get(label, n)
+                cache[b] = np.inf if c is None else c
+            out[n] = cache[b]
+        self._curves[key] = out
+        return out
+
+    def _refresh(self, B: int, best: Choice) -> Choice | None:
+        """Now and then (every `refresh_every` steps, then less often) re-measure the whole
+        batch under a shape not chosen lately, so a cost measured badly once, or one that
+        drifted (longer contexts), cannot keep a shape out for good."""
+        if self.steps < self.next_refresh or self.costs.frozen:
+            return None
+        self.refresh_every = min(2 * self.refresh_every, 4096)
+        self.next_refresh = self.steps + self.refresh_every
+        stale = [s for s in self.shapes if best is None or best.shape != s]
+        if not stale:
+            return None
+        s = stale[(self.steps // self.refresh_every) % len(stale)]
+        return Choice(s, list(range(B)), [], explore=True)
 
     def _chosen(self, c: Choice) -> Choice:
         self.counts[c.label] = self.counts.get(c.label, 0) + 1

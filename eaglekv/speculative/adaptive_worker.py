@@ -6,7 +6,8 @@ the requests chosen to speculate, and a plain decode step (one token each, the t
 features kept) for the others.
 
 A request that decodes plainly leaves its draft behind: its `draft_state` becomes a `Lag`
-holding the draft inputs of the positions it decoded (token p + 1, target feature p). Before
+holding the draft inputs of the positions it decoded (token p + 1; the target feature of p is
+kept by slot in the runner's feature table, written inside the decode graph). Before
 its next speculative step the draft extends over them in one forward (only the last
 position's logits are computed), which writes the draft's K/V of those positions into their
 slots (shared with the target's) and gives the root again. So a request that never
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eaglekv.core import ForwardBatch, SpecStats, StepPlan, StepResult
+from eaglekv.cuda_graph import store_features
 from eaglekv.runner import ModelRunner, guarded
 from eaglekv.speculative.adaptive import (PLAIN, AdaptivePolicy, CostTable, Shape,
                                           cost_cache_path)
@@ -30,11 +32,11 @@ from eaglekv.speculative.eagle_worker import EagleWorker
 
 @dataclass
 class Lag:
-    """Draft inputs not run yet: positions start, start + 1, ... (token p + 1, feature p)."""
+    """Draft inputs not run yet: positions start, start + 1, ... (token p + 1; the feature of
+    p is in the runner's feature table at p's slot)."""
 
     start: int
     tokens: list[int] = field(default_factory=list)
-    feats: list[torch.Tensor] = field(default_factory=list)
 
 
 class AdaptiveWorker:
@@ -46,11 +48,18 @@ class AdaptiveWorker:
         shapes = [Shape(*s) for s in spec.candidate_shapes(res.device.type)]
         self.workers = {s: EagleWorker(res, drafter, spec.fixed(s.S, s.K, s.N)) for s in shapes}
         self.first = self.workers[shapes[0]]
+        mc = res.model.cfg
+        width = mc.hidden_size * max(1, len(drafter.capture_layers))
+        # the target feature of every plainly decoded token, by slot (factory.py sizes it)
+        self.feature_table = torch.zeros(res.kv_pool.size_limit, width, dtype=res.dtype,
+                                         device=res.device)
         self.graphs = None
         if res.cuda_graph_max_bs:    # the plain steps replay a captured decode, features kept
             from eaglekv.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(res.model, res.backend, res.cuda_graph_max_bs,
-                                       res.max_context_len, features=drafter)
+                                       res.max_context_len, features=drafter,
+                                       feature_table=self.feature_table,
+                                       req_to_token=res.req_to_token.req_to_token)
         self.plain_runner = ModelRunner(res, self.graphs)
         if costs is None:
             costs = CostTable(cost_cache_path(self.identity()))
@@ -157,23 +166,25 @@ class AdaptiveWorker:
         res = self.res
         n = len(reqs)
         prefix = [r.kv_len for r in reqs]
-        slots = res.allocator.alloc_decode(prefix, [r.last_slot for r in reqs])   # (n,) cpu
+        slots = (res.allocator.alloc(1, prefix[0], reqs[0].last_slot) if n == 1 else
+                 res.allocator.alloc_decode(prefix, [r.last_slot for r in reqs]))  # (n,) cpu
         rows = [r.row for r in reqs]
-        where = torch.tensor([rows, prefix], dtype=torch.int64).to(res.device)
-        res.req_to_token.req_to_token[where[0], where[1]] = slots.to(res.device, torch.int32)
         ids = [[r.output_ids[-1]] for r in reqs]
         plan = StepPlan("extend", list(reqs), ids=ids, prefix_lens=prefix,
                         slots=list(slots.view(-1, 1)))
         everyone = list(range(n))
         if self.graphs is not None and self.graphs.bucket(n) is not None:
+            # the replay writes req_to_token and the features itself
             result = self.plain_runner.run_graph(plan, everyone)
-            feats = self.graphs.last_features.clone()          # the next replay reuses it
         else:
+            where = torch.tensor([rows, prefix], dtype=torch.int64).to(res.device)
+            res.req_to_token.req_to_token[where[0], where[1]] = slots.to(res.device,
+                                                                         torch.int32)
             batch = ForwardBatch.build(ids, prefix, rows, slots, res.device)
             fwd = res.model.forward(batch, res.backend, logits_indices=batch.last_token_indices,
                                     return_hidden=True,
                                     capture_layers=self.drafter.capture_layers)
-            feats = self.drafter.features(fwd)                                    # (n, Hf)
+            store_features(self.feature_table, batch.out_cache_loc, self.drafter.features(fwd))
             result = ModelRunner.sample(plan, everyone, fwd.logits)
         result.kv_advance, result.last_slots = [0] * n, [-1] * n
         result.accepted = [None] * n
@@ -185,7 +196,6 @@ class AdaptiveWorker:
             result.kv_advance[i], result.last_slots[i] = 1, int(slots[i])
             lag = r.draft_state if isinstance(r.draft_state, Lag) else Lag(r.kv_len)
             lag.tokens.append(result.tokens[i][0])
-            lag.feats.append(feats[i])
             r.draft_state = lag
         result.free_slots = torch.cat(bad) if bad else None
         return result
@@ -196,16 +206,17 @@ class AdaptiveWorker:
         if not lag:
             return
         r2t = self.res.req_to_token.req_to_token
-        ids, prefix, slots, hidden = [], [], [], []
+        ids, prefix, slots = [], [], []
         for r in lag:
             st = r.draft_state
             assert st.start + len(st.tokens) == r.kv_len, (st.start, len(st.tokens), r.kv_len)
             ids.append(st.tokens)
             prefix.append(st.start)
             slots.append(r2t[r.row, st.start:r.kv_len].to(torch.int64))
-            hidden.append(torch.stack(st.feats))
-        self.first._draft_extend(lag, ids, prefix, torch.cat(slots), torch.cat(hidden),
-                                 [r.all_ids for r in lag])
+        slots = torch.cat(slots)
+        # these slots are the requests' own committed ones; the draft's store checks them too
+        hidden = self.feature_table[slots.clamp(0, self.feature_table.shape[0] - 1)]
+        self.first._draft_extend(lag, ids, prefix, slots, hidden, [r.all_ids for r in lag])
 
     def explain(self, batch: int = 1) -> str:
         """What the policy chose so far and why (the CLI prints it with the step counts)."""

@@ -138,3 +138,13 @@ def draft_bytes_per_slot(ckpt: DraftCheckpoint | None, dtype: torch.dtype) -> in
     if ckpt is None:
         return 0
     return ckpt.num_pools * KVPool.bytes_per_slot(*ckpt.config.kv_shape, dtype)
+
+
+def feature_bytes_per_slot(spec: SpecConfig, target: ModelConfig, dtype: torch.dtype) -> int:
+    """Adaptive speculation keeps the target's feature of every plainly decoded token, by
+    slot, until the draft catches up (speculative/adaptive_worker.py): H per slot, 3H for
+    EAGLE-3's three captured layers."""
+    if not spec.adaptive:
+        return 0
+    width = target.hidden_size * (3 if spec.algorithm == "eagle3" else 1)
+    return width * torch.empty((), dtype=dtype).element_size()

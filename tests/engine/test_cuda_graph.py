@@ -87,15 +87,15 @@ def test_guard_inside_replayed_graph(tiny_dir, where):
     if where == "table":
         engine.req_to_token.req_to_token[reqs[1].row, 1] = limit + 7
         match = rf"slot {limit + 7} out of range \[0, {limit}\)"
-    else:
-        real = engine.allocator.alloc
+    else:   # the decode batch takes its slots in one alloc_decode call
+        real = engine.allocator.alloc_decode
 
-        def bad(n, seq_len=0, last_slot=-1):
-            s = real(n, seq_len, last_slot)
-            engine.allocator.free(s)
-            engine.allocator.alloc = real
-            return torch.full_like(s, limit)
-        engine.allocator.alloc = bad
+        def bad(seq_lens, last_slots):
+            s = real(seq_lens, last_slots)
+            engine.allocator.free(s[1:])
+            engine.allocator.alloc_decode = real
+            return torch.cat([s[:1], torch.full_like(s[1:], limit)])
+        engine.allocator.alloc_decode = bad
         match = rf"slot {limit} out of range \[0, {limit}\)"
     replays = engine.runner.graphs.replays
     with pytest.raises(KVIndexError, match=match):

@@ -352,7 +352,8 @@ def test_speculative_server_is_lossless(server):
     spec = Server(Engine(EngineConfig(model="default", max_total_tokens=4096,
                                       max_running_requests=2,
                                       speculative=SpecConfig(algorithm="eagle",
-                                                             draft_model="default"))))
+                                                             draft_model="default",
+                                                             num_steps=3))))
     try:
         r = spec.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0)
         assert r.choices[0].message.content == ref.text

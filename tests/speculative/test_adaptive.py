@@ -60,15 +60,16 @@ def test_cost_table_cells_estimates_and_cache(tmp_path):
     path = tmp_path / "c.json"
     t = CostTable(path)
     assert t.get(PLAIN, 1) is None
+    t.observe(PLAIN, 1, 0.500)                         # the warm-up call: dropped
     t.observe(PLAIN, 1, 0.030)
-    assert not t.known(PLAIN, 1)                       # one observation is not enough
+    assert not t.known(PLAIN, 1)                       # one kept observation is not enough
     t.observe(PLAIN, 1, 0.020)
     assert t.get(PLAIN, 1) == pytest.approx(0.020)     # seeded by the smaller
     t.observe(PLAIN, 1, 0.030)
     assert t.get(PLAIN, 1) == pytest.approx(0.021)     # then averaged (alpha 0.1)
     for label, n, sec in ((PLAIN, 3, 0.04), (PLAIN, 2, 0.025), (S3.label, 2, 0.03)):
-        t.observe(label, n, sec)
-        t.observe(label, n, sec)
+        for _ in range(3):
+            t.observe(label, n, sec)
     # S3 at batch 3 (bucket 4) not measured: scaled from bucket 2 by plain's ratio 0.04/0.025
     assert t.get(S3.label, 3) == pytest.approx(0.03 * 0.04 / 0.025)
     assert t.get(S3.label, 64) is None                 # plain unknown there: no estimate
@@ -109,13 +110,18 @@ def test_unknown_costs_are_explored_first():
     r = FakeReq()
     c = p.choose([r])
     assert c.explore and c.shape is None
-    for _ in range(2):
+    for _ in range(3):
         p.costs.observe(PLAIN, 1, 0.01)
     c = p.choose([r])
     assert c.explore and c.shape == S3
-    for _ in range(2):
+    for _ in range(3):
         p.costs.observe(S3.label, 1, 0.012)
     assert p.choose([r]).shape == Shape(1, 1, 2)
+    for _ in range(3):
+        p.costs.observe("S1K1N2", 1, 0.5)           # far too slow: not chosen ...
+    p.state(r).rates[:] = 0.9
+    seen = {p.choose([r]).label for _ in range(300)}
+    assert seen == {"S3K1N4", "S1K1N2"}              # ... but re-measured now and then
 
 
 def test_rates_collapse_then_drift_back_with_backoff():

@@ -38,7 +38,8 @@ def test_smollm2_default_draft_stop_string_and_stream(smol_engine):
     """The shipped draft accepts multi-token runs; a stop string inside a run truncates the
     output exactly where plain decoding does, and streaming yields the same text."""
     eng = Engine(EngineConfig(model="default", max_total_tokens=1024, max_running_requests=1,
-                              speculative=dict(algorithm="eagle", draft_model="default")))
+                              speculative=dict(algorithm="eagle", draft_model="default",
+                                                   num_steps=3)))
     ids = smol_engine.encode("def fibonacci(n):")
     free = smol_engine.generate([ids], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
     stop = free.text[len(free.text) // 2:][:4]       # a string from the middle of the output
