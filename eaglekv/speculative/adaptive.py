@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -155,14 +156,6 @@ def cost_cache_path(identity: dict) -> Path | None:
 
 # ---- acceptance -----------------------------------------------------------------------------------
 @dataclass
-class ReqState:
-    rates: np.ndarray                  # (D,) acceptance at draft positions 1..D
-    speculating: bool = True
-    probes: int = 0                    # times it was switched off since it last accepted
-    wait: int = 0                      # plain steps before it may speculate again
-
-
-@dataclass
 class Choice:
     shape: Shape | None                # the spec part's shape (None: every request plain)
     spec: list[int] = field(default_factory=list)      # indices into the batch
@@ -177,27 +170,39 @@ class Choice:
 
 
 class AdaptivePolicy:
-    """The choice each step (see the module docstring). `alpha`: a request's rate average;
-    `alpha_engine`: the engine-wide one new requests start from; `alpha_prior`: the slow
-    average a request that decodes plainly drifts back to (`beta` of the way a step). A request
-    switched off waits 2, 4, 8 ... up to `max_wait` plain steps (doubling each time it is
-    switched off again without accepting a draft), then is tried again if its drifted rates
-    say so: a collapsed request costs its batch a probe now and then, ever more rarely."""
+    """The choice each step (see the module docstring). Per-request state lives in arrays
+    indexed by the request's req_to_token row (a new request in a row starts from the
+    engine-wide rates), so a batch-64 step costs a few vector ops, not 64 Python loops.
+
+    `alpha`: a request's rate average; `alpha_engine`: the engine-wide one new requests start
+    from; `alpha_prior`: the slow average a request that decodes plainly drifts back to (`beta`
+    of the way a step). A request switched off waits 2, 4, 8 ... up to `max_wait` plain steps
+    (doubling each time it is switched off again without accepting a draft), then is tried
+    again if its drifted rates say so: a collapsed request costs its batch a probe now and
+    then, ever more rarely. `optimism`: a shape's expected gain gets `optimism * S /
+    sqrt(1 + n)` more while n request-steps have been observed, so a few unlucky first
+    drafts cannot switch speculation off for good."""
 
     def __init__(self, shapes: list[Shape], costs: CostTable, prior: float = 0.7,
                  alpha: float = 0.3, alpha_engine: float = 0.05, alpha_prior: float = 0.01,
-                 beta: float = 0.1, max_wait: int = 64):
+                 beta: float = 0.1, max_wait: int = 64, optimism: float = 0.5):
         self.shapes = list(shapes)
-        self.depth = max(s.S for s in shapes)
+        self.depth = D = max(s.S for s in shapes)
         self.costs = costs
         self.alpha, self.alpha_engine, self.alpha_prior, self.beta = (alpha, alpha_engine,
                                                                       alpha_prior, beta)
-        self.max_wait = max_wait
-        start = prior ** np.arange(1, self.depth + 1)
+        self.max_wait, self.optimism = max_wait, optimism
+        start = prior ** np.arange(1, D + 1)
         self.engine_rates = start.copy()
         self.prior = start.copy()
         self.corr = {s: 1.0 for s in shapes}
-        self.reqs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.observed = 0                   # request-steps of speculation seen
+        # per row: rates (rows, D), steps to wait, failed probes, speculating, owner rid
+        self.rates = np.zeros((0, D))
+        self.wait = np.zeros(0, dtype=np.int64)
+        self.probes = np.zeros(0, dtype=np.int64)
+        self.on = np.zeros(0, dtype=bool)
+        self.owner = np.zeros(0, dtype=np.int64)
         self.counts: dict[str, int] = {}
         self.last: Choice | None = None
         self.steps = 0
@@ -206,16 +211,39 @@ class AdaptivePolicy:
         self.next_refresh = 128
 
     # ---- per request ---------------------------------------------------------------------------
-    def state(self, req) -> ReqState:
-        st = self.reqs.get(req)
-        if st is None:
-            st = self.reqs[req] = ReqState(self.engine_rates.copy())
-        return st
+    def _rows(self, reqs) -> np.ndarray:
+        """The requests' rows; a row whose request changed starts from the engine's rates."""
+        rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=len(reqs))
+        rids = np.fromiter((r.rid for r in reqs), dtype=np.int64, count=len(reqs))
+        if rows.max() >= len(self.owner):
+            n = int(rows.max()) + 1
+            grow = n - len(self.owner)
+            self.rates = np.concatenate([self.rates, np.zeros((grow, self.depth))])
+            self.wait = np.concatenate([self.wait, np.zeros(grow, dtype=np.int64)])
+            self.probes = np.concatenate([self.probes, np.zeros(grow, dtype=np.int64)])
+            self.on = np.concatenate([self.on, np.zeros(grow, dtype=bool)])
+            self.owner = np.concatenate([self.owner, np.full(grow, -1, dtype=np.int64)])
+        fresh = self.owner[rows] != rids
+        if fresh.any():
+            f = rows[fresh]
+            self.rates[f] = self.engine_rates
+            self.wait[f], self.probes[f], self.on[f] = 0, 0, True
+            self.owner[f] = rids[fresh]
+        return rows
+
+    def state(self, req):
+        """A request's rates (a writable view of its row) and counters, for tests and logs."""
+        row = int(self._rows([req])[0])
+        return SimpleNamespace(rates=self.rates[row], wait=int(self.wait[row]),
+                               probes=int(self.probes[row]), speculating=bool(self.on[row]))
 
     def expected(self, rates: np.ndarray, shape: Shape) -> float:
         """Expected accepted draft tokens under `shape` (rates made non-increasing)."""
         eff = np.minimum.accumulate(rates[:shape.S])
         return self.corr[shape] * float(eff.sum())
+
+    def _bonus(self, shape: Shape) -> float:
+        return self.optimism * shape.S / math.sqrt(1 + self.observed)
 
     # ---- the choice ----------------------------------------------------------------------------
     def choose(self, reqs) -> Choice:
@@ -227,19 +255,20 @@ class AdaptivePolicy:
         for s in self.shapes:               # a shape never measured at this size: try it
             if costs.get(s.label, B) is None:
                 return self._chosen(Choice(s, list(range(B)), [], explore=True))
-        states = [self.state(r) for r in reqs]
-        if all(st.wait for st in states):
+        rows = self._rows(reqs)
+        waiting = self.wait[rows] > 0
+        if waiting.all():
             return self._chosen(self._refresh(B, None) or Choice(None, [], list(range(B))))
         if B == 1:      # the latency case, in scalars (numpy's per-call cost would dominate)
-            return self._chosen(self._choose_one(states[0]))
+            return self._chosen(self._choose_one(self.rates[rows[0]]))
         # (B, D) rates made non-increasing, summed: cum[b, i] = expected accepted of depth i+1
-        cum = np.minimum.accumulate(np.stack([st.rates for st in states]), axis=1).cumsum(1)
-        waiting = np.array([st.wait > 0 for st in states])
+        cum = np.minimum.accumulate(self.rates[rows], axis=1).cumsum(1)
         k = np.arange(B + 1)                                                   # spec part size
         plain_cost = self._cost_curve(PLAIN, B)                                # [n] for n = 0..B
         best_v, best = B / plain_cost[B], Choice(None, [], list(range(B)))
         for s in self.shapes:
-            gain = np.where(waiting, -np.inf, self.corr[s] * cum[:, s.S - 1])  # (B,)
+            gain = np.where(waiting, -np.inf,
+                            self.corr[s] * cum[:, s.S - 1] + self._bonus(s))  # (B,)
             order = np.argsort(-gain, kind="stable")
             g = gain[order]
             usable = int(np.isfinite(g).sum())                 # the waiting ones sort last
@@ -253,16 +282,17 @@ class AdaptivePolicy:
                 best = Choice(s, sorted(order[:i].tolist()), sorted(order[i:].tolist()))
         return self._chosen(self._refresh(B, best) or best)
 
-    def _choose_one(self, st: ReqState) -> Choice:
+    def _choose_one(self, rates: np.ndarray) -> Choice:
         best_v, best = 1 / self._cost_curve(PLAIN, 1)[1], Choice(None, [], [0])
         run, total = float("inf"), 0.0
         sums = []
-        for r in st.rates.tolist():       # expected accepted of each depth, rates non-increasing
+        for r in rates.tolist():          # expected accepted of each depth, rates non-increasing
             run = min(run, r)
             total += run
             sums.append(total)
         for s in self.shapes:
-            v = (1 + self.corr[s] * sums[s.S - 1]) / self._cost_curve(s.label, 1)[1]
+            v = ((1 + self.corr[s] * sums[s.S - 1] + self._bonus(s))
+                 / self._cost_curve(s.label, 1)[1])
             if v > best_v:
                 best_v, best = v, Choice(s, [0], [])
         return self._refresh(1, best) or best
@@ -287,7 +317,7 @@ class AdaptivePolicy:
         self._curves[key] = out
         return out
 
-    def _refresh(self, B: int, best: Choice) -> Choice | None:
+    def _refresh(self, B: int, best: Choice | None) -> Choice | None:
         """Now and then (every `refresh_every` steps, then less often) re-measure the whole
         batch under a shape not chosen lately, so a cost measured badly once, or one that
         drifted (longer contexts), cannot keep a shape out for good."""
@@ -309,32 +339,36 @@ class AdaptivePolicy:
     # ---- what happened -------------------------------------------------------------------------
     def observe_plain(self, reqs) -> None:
         """Requests that decoded plainly drift back toward the prior (see the class doc)."""
-        for r in reqs:
-            st = self.state(r)
-            if st.speculating:                # switched off: wait before the next try
-                st.probes += 1
-                st.wait = min(2 ** st.probes, self.max_wait)
-            st.speculating = False
-            st.wait = max(0, st.wait - 1)
-            st.rates += self.beta * (self.prior - st.rates)
+        rows = self._rows(reqs)
+        off = rows[self.on[rows]]             # switched off now: wait before the next try
+        self.probes[off] += 1
+        self.wait[off] = np.minimum(2 ** np.minimum(self.probes[off], 30), self.max_wait)
+        self.on[rows] = False
+        self.wait[rows] = np.maximum(0, self.wait[rows] - 1)
+        self.rates[rows] += self.beta * (self.prior - self.rates[rows])
 
     def observe_spec(self, reqs, shape: Shape, accepted: list[int | None]) -> None:
         """Accepted draft tokens of each request of a speculative step (None: it failed)."""
-        hits = np.arange(1, shape.S + 1)
-        for r, a in zip(reqs, accepted):
-            if a is None:
-                continue
-            st = self.state(r)
-            if a > 0:
-                st.probes = 0                 # drafts are accepted again
-            st.speculating = True
-            est = float(np.minimum.accumulate(st.rates[:shape.S]).sum())
-            if est > 0.05:
-                self.corr[shape] += 0.02 * (min(a / est, 4.0) - self.corr[shape])
-            x = (a >= hits).astype(np.float64)                                 # (S,)
-            st.rates[:shape.S] += self.alpha * (x - st.rates[:shape.S])
-            self.engine_rates[:shape.S] += self.alpha_engine * (x - self.engine_rates[:shape.S])
-            self.prior[:shape.S] += self.alpha_prior * (x - self.prior[:shape.S])
+        keep = [i for i, a in enumerate(accepted) if a is not None]
+        if not keep:
+            return
+        rows = self._rows([reqs[i] for i in keep])
+        a = np.array([accepted[i] for i in keep], dtype=np.float64)           # (m,)
+        S, m = shape.S, len(keep)
+        self.probes[rows[a > 0]] = 0           # drafts are accepted again
+        self.on[rows] = True
+        est = np.minimum.accumulate(self.rates[rows, :S], axis=1).sum(1)       # (m,)
+        ok = est > 0.05
+        if ok.any():                           # m sequential EMA steps of 0.02, in one
+            w = 1 - 0.98 ** int(ok.sum())
+            ratio = float(np.minimum(a[ok] / est[ok], 4.0).mean())
+            self.corr[shape] += w * (ratio - self.corr[shape])
+        x = (a[:, None] >= np.arange(1, S + 1)[None, :]).astype(np.float64)   # (m, S)
+        self.rates[rows, :S] += self.alpha * (x - self.rates[rows, :S])
+        mean = x.mean(0)
+        self.engine_rates[:S] += (1 - (1 - self.alpha_engine) ** m) * (mean - self.engine_rates[:S])
+        self.prior[:S] += (1 - (1 - self.alpha_prior) ** m) * (mean - self.prior[:S])
+        self.observed += m
 
     # ---- saying why ----------------------------------------------------------------------------
     def summary(self, batch: int = 1) -> str:

@@ -24,8 +24,11 @@ from sampling_helpers import CHI2_999, N_SAMPLES, PARAMS, PROMPT, NoisySelfDraft
 S3 = Shape(3, 1, 4)
 
 
-class FakeReq:       # the policy keys its state by request identity
-    pass
+class FakeReq:       # the policy keys its state by req_to_token row and request id
+    _ids = iter(range(1, 10**6))
+
+    def __init__(self):
+        self.rid = self.row = next(self._ids)
 
 
 # ---- config --------------------------------------------------------------------------------------
@@ -84,7 +87,9 @@ def test_cost_table_cells_estimates_and_cache(tmp_path):
 
 # ---- the choice ----------------------------------------------------------------------------------
 def policy(costs: dict[str, float], shapes=(S3,)) -> AdaptivePolicy:
-    return AdaptivePolicy(list(shapes), CostTable.fixed(costs))
+    p = AdaptivePolicy(list(shapes), CostTable.fixed(costs))
+    p.observed = 10**8          # no optimism left: the tests below check the arithmetic
+    return p
 
 
 def test_choice_follows_costs_and_acceptance():
@@ -107,6 +112,7 @@ def test_choice_follows_costs_and_acceptance():
 
 def test_unknown_costs_are_explored_first():
     p = AdaptivePolicy([S3, Shape(1, 1, 2)], CostTable())
+    p.observed = 10**8
     r = FakeReq()
     c = p.choose([r])
     assert c.explore and c.shape is None
@@ -148,6 +154,31 @@ def test_rates_collapse_then_drift_back_with_backoff():
     p.observe_spec([r], S3, [3])                    # it accepts again: speculation stays on
     p.observe_spec([r], S3, [3])
     assert p.choose([r]).shape == S3
+
+
+def test_optimism_keeps_trying_a_shape_until_it_has_seen_enough():
+    """Three unlucky first drafts do not switch a shape off for good: its gain carries a
+    bonus that shrinks as observations accumulate."""
+    p = AdaptivePolicy([S3], CostTable.fixed({PLAIN: 1.0, S3.label: 2.2}))
+    r = FakeReq()
+    p.observe_spec([r], S3, [0])
+    p.observe_spec([r], S3, [0])
+    p.state(r).rates[:] = 0.4                     # expected 1.2: 2.2 tokens for 2.2 steps
+    assert p.choose([r]).shape == S3              # with 2 observations: still tried
+    p.observed = 10**6
+    assert p.choose([r]).shape is None            # with a million: the estimate decides
+
+
+def test_batch_state_is_per_row_and_resets_for_a_new_request():
+    p = policy({PLAIN: 1.0, S3.label: 1.5})
+    a, b = FakeReq(), FakeReq()
+    p.observe_spec([a, b], S3, [3, 0])
+    assert p.state(a).rates[0] > p.state(b).rates[0]
+    c = FakeReq()
+    c.row = a.row                                 # a finished; c took its row
+    assert list(p.state(c).rates) == list(p.engine_rates)
+    p.observe_plain([c])
+    assert p.state(c).wait == 1 and not p.state(c).speculating
 
 
 def test_tree_correction_learns_what_the_shape_accepts():
