@@ -57,10 +57,11 @@ def bucket(n: int) -> int:
 
 # ---- costs ----------------------------------------------------------------------------------------
 class CostTable:
-    """Seconds per step for each (choice label, batch bucket) that has run, exponentially
-    averaged (`alpha`). A cell's first observation is dropped (a first call can include
-    one-time work: a kernel compiled, a buffer grown) and the next two seed it with their
-    minimum. `frozen`: tests fix the costs."""
+    """Seconds per step for each (choice label, batch bucket) that has run. A cell's first
+    observation is dropped (a first call can include one-time work: a kernel compiled, a
+    buffer grown) and the next two seed it with their minimum; after that an observation above
+    the estimate moves it by `alpha` (capped at 1.5x: a spike is one-time work, not the
+    step), one below by half the gap. `frozen`: tests fix the costs."""
 
     def __init__(self, path: Path | None = None, alpha: float = 0.1):
         self.path, self.alpha = path, alpha
@@ -108,8 +109,9 @@ class CostTable:
             if c[1] + 1 == 3:
                 self.epoch += 1
                 self.save()
-        else:
-            c[0] += self.alpha * (seconds - c[0])
+        else:   # spikes only go up (a compile, a collection): rise slowly, capped; fall fast
+            step = self.alpha if seconds > c[0] else 0.5
+            c[0] += step * (min(seconds, 1.5 * c[0]) - c[0])
             c[1] += 1
             if c[1] % 32 == 0:
                 self.epoch += 1
@@ -209,6 +211,8 @@ class AdaptivePolicy:
         self._curves: dict[tuple, np.ndarray] = {}
         self.refresh_every = 128
         self.next_refresh = 128
+        self.replan_every = 8          # an all-plain choice holds this many steps (batch > 1)
+        self._plain_key, self._plain_left = None, 0
 
     # ---- per request ---------------------------------------------------------------------------
     def _rows(self, reqs) -> np.ndarray:
@@ -256,6 +260,11 @@ class AdaptivePolicy:
             if costs.get(s.label, B) is None:
                 return self._chosen(Choice(s, list(range(B)), [], explore=True))
         rows = self._rows(reqs)
+        key = (rows.tobytes(), self.costs.epoch)
+        if self._plain_key == key and self._plain_left > 0:
+            self._plain_left -= 1      # an all-plain batch as before: rates only drift
+            return self._chosen(self._refresh(B, None) or Choice(None, [], list(range(B))))
+        self._plain_key = None
         waiting = self.wait[rows] > 0
         if waiting.all():
             return self._chosen(self._refresh(B, None) or Choice(None, [], list(range(B))))
@@ -280,6 +289,8 @@ class AdaptivePolicy:
             if usable and value[i] > best_v:
                 best_v = value[i]
                 best = Choice(s, sorted(order[:i].tolist()), sorted(order[i:].tolist()))
+        if best.shape is None:         # reuse for the next few steps of the same batch
+            self._plain_key, self._plain_left = key, self.replan_every - 1
         return self._chosen(self._refresh(B, best) or best)
 
     def _choose_one(self, rates: np.ndarray) -> Choice:

@@ -125,6 +125,15 @@ class AdaptiveWorker:
     def decode(self, reqs) -> StepResult:
         B = len(reqs)
         choice = self.policy.choose(reqs)
+        if not choice.spec:            # the whole batch decodes plainly: no merging
+            t = time.perf_counter()
+            res = self._plain(reqs)
+            dt = time.perf_counter() - t
+            self.plain_seconds += dt
+            self.policy.costs.observe(PLAIN, B, dt)
+            self.policy.observe_plain(reqs)
+            res.draft_tokens = [0] * B
+            return res
         out = StepResult(tokens=[None] * B, logprobs=[None] * B, failed=[False] * B,
                          kv_advance=[0] * B, last_slots=[-1] * B, accepted=[None] * B,
                          draft_tokens=[0] * B)
