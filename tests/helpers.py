@@ -109,11 +109,12 @@ def fresh_kv(model, ids, device="cpu"):
     from eaglekv.memory import KVPool, ReqToTokenPool
     cfg = model.cfg
     n = len(ids)
-    pool = KVPool(n + 1, 1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    r2t = ReqToTokenPool(1, n + 1)
-    slots = torch.arange(1, n + 1)
+    pool = KVPool(n + 1, 1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype,
+                  device)
+    r2t = ReqToTokenPool(1, n + 1, device=device)
+    slots = torch.arange(1, n + 1, device=device)
     r2t.req_to_token[1, :n] = slots.to(torch.int32)
-    batch = ForwardBatch.build([ids], [0], [1], slots)
+    batch = ForwardBatch.build([ids], [0], [1], slots, device)
     out = model.forward(batch, TorchAttentionBackend(pool, r2t), return_hidden=True)
     return pool, slots, out.hidden, r2t, batch
 

@@ -199,6 +199,7 @@ class AdaptivePolicy:
         self.prior = start.copy()
         self.corr = {s: 1.0 for s in shapes}
         self.observed = 0                   # request-steps of speculation seen
+        self.seen = 0                       # the deepest draft position observed
         # per row: rates (rows, D), steps to wait, failed probes, speculating, owner rid
         self.rates = np.zeros((0, D))
         self.wait = np.zeros(0, dtype=np.int64)
@@ -243,8 +244,22 @@ class AdaptivePolicy:
 
     def expected(self, rates: np.ndarray, shape: Shape) -> float:
         """Expected accepted draft tokens under `shape` (rates made non-increasing)."""
-        eff = np.minimum.accumulate(rates[:shape.S])
+        eff = np.minimum.accumulate(self._extrapolated(rates[None, :])[0, :shape.S])
         return self.corr[shape] * float(eff.sum())
+
+    def _extrapolated(self, rates: np.ndarray) -> np.ndarray:
+        """(n, D) rates with the positions deeper than any observed one continued at the
+        last observed conditional rate (rate[d] / rate[d - 1]): a deep shape never tried is
+        judged by how the acceptance falls off so far, not by the prior it started from."""
+        d = self.seen
+        if d == 0 or d >= self.depth:
+            return rates
+        out = rates.copy()
+        last = out[:, d - 1]
+        q = np.clip(last / np.maximum(out[:, d - 2], 1e-6), 0.0, 1.0) if d >= 2 else last
+        for i in range(d, self.depth):
+            out[:, i] = out[:, i - 1] * q
+        return out
 
     def _bonus(self, shape: Shape) -> float:
         return self.optimism * shape.S / math.sqrt(1 + self.observed)
@@ -269,9 +284,9 @@ class AdaptivePolicy:
         if waiting.all():
             return self._chosen(self._refresh(B, None) or Choice(None, [], list(range(B))))
         if B == 1:      # the latency case, in scalars (numpy's per-call cost would dominate)
-            return self._chosen(self._choose_one(self.rates[rows[0]]))
+            return self._chosen(self._choose_one(self._extrapolated(self.rates[rows])[0]))
         # (B, D) rates made non-increasing, summed: cum[b, i] = expected accepted of depth i+1
-        cum = np.minimum.accumulate(self.rates[rows], axis=1).cumsum(1)
+        cum = np.minimum.accumulate(self._extrapolated(self.rates[rows]), axis=1).cumsum(1)
         k = np.arange(B + 1)                                                   # spec part size
         plain_cost = self._cost_curve(PLAIN, B)                                # [n] for n = 0..B
         best_v, best = B / plain_cost[B], Choice(None, [], list(range(B)))
@@ -380,6 +395,7 @@ class AdaptivePolicy:
         self.engine_rates[:S] += (1 - (1 - self.alpha_engine) ** m) * (mean - self.engine_rates[:S])
         self.prior[:S] += (1 - (1 - self.alpha_prior) ** m) * (mean - self.prior[:S])
         self.observed += m
+        self.seen = max(self.seen, S)
 
     # ---- saying why ----------------------------------------------------------------------------
     def summary(self, batch: int = 1) -> str:

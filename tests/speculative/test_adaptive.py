@@ -216,13 +216,21 @@ def scripted_choices(eng, plan):
     pol.choose = lambda reqs: pol._chosen(plan(next(count), len(reqs)))
 
 
-def test_any_mix_of_plain_and_speculative_steps_is_lossless_and_keeps_the_kv(tiny_dir, reference):
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_any_mix_of_plain_and_speculative_steps_is_lossless_and_keeps_the_kv(tiny_dir, reference,
+                                                                             device):
     """Plain steps, speculative steps and split steps in turn: greedy equals plain decoding,
     and whenever a request's draft has caught up, its draft K/V (and the target's) equal a
-    fresh prefill of its tokens."""
+    fresh prefill of its tokens (on CUDA: the decode graph's feature table, the Triton draft
+    extend over several lagging requests, the step graphs)."""
     from eaglekv.attention import TorchAttentionBackend
     from eaglekv.memory import KVPool
-    eng = adaptive_engine(tiny_dir, shapes=((3, 1, 4), (2, 2, 4)), max_running_requests=4)
+    eng = adaptive_engine(tiny_dir, shapes=((3, 1, 4), (2, 2, 4)), max_running_requests=4,
+                          device=device)
     shapes = [Shape(3, 1, 4), Shape(2, 2, 4)]
 
     def plan(step, n):
@@ -248,11 +256,11 @@ def test_any_mix_of_plain_and_speculative_steps_is_lossless_and_keeps_the_kv(tin
             caught += 1
             ids = r.all_ids[:r.kv_len]
             slots = eng.req_to_token.req_to_token[r.row, :r.kv_len].to(torch.int64)
-            pool, fslots, hidden, r2t, _ = fresh_kv(eng.model, ids)
+            pool, fslots, hidden, r2t, _ = fresh_kv(eng.model, ids, device)
             torch.testing.assert_close(eng.kv_pool.k_buffer[1][slots], pool.k_buffer[1][fslots],
                                        atol=1e-4, rtol=1e-4)
-            dpool = KVPool(len(ids) + 1, 1, *draft.model.kv_shape())
-            dbatch = ForwardBatch.build([r.all_ids[1:r.kv_len + 1]], [0], [1], fslots)
+            dpool = KVPool(len(ids) + 1, 1, *draft.model.kv_shape(), device=device)
+            dbatch = ForwardBatch.build([r.all_ids[1:r.kv_len + 1]], [0], [1], fslots, device)
             dback = TorchAttentionBackend(dpool, r2t)
             draft.model.forward(dbatch.input_ids, dbatch.positions, hidden, dback,
                                 dback.init_forward_metadata(dbatch))
@@ -339,3 +347,17 @@ def test_gpu_adaptive_mix_greedy_equals_plain(tiny_dir, deep_dir, alg, graphs):
                    if x.step_graphs is not None) > 0
     eng.check_memory()
     assert eng.allocator.is_full()
+
+
+def test_a_deeper_shape_is_judged_by_the_observed_fall_off():
+    """Only depths 1..3 were ever drafted: depths 4, 5 continue at rate[3] / rate[2], not at
+    the prior, so a deep shape that would pay is tried."""
+    p = policy({PLAIN: 1.0, S3.label: 2.0, "S5K1N6": 2.4}, shapes=(S3, Shape(5, 1, 6)))
+    r = FakeReq()
+    for _ in range(30):
+        p.observe_spec([r], S3, [3])
+    rates = p.state(r).rates
+    assert rates[3] == pytest.approx(0.7 ** 4) and p.seen == 3       # never observed
+    deep = p.expected(rates, Shape(5, 1, 6))
+    assert deep == pytest.approx(p.expected(rates, S3) + 2 * rates[2], rel=0.05)
+    assert p.choose([r]).shape == Shape(5, 1, 6)
