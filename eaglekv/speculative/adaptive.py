@@ -181,9 +181,10 @@ class AdaptivePolicy:
     of the way a step). A request switched off waits 2, 4, 8 ... up to `max_wait` plain steps
     (doubling each time it is switched off again without accepting a draft), then is tried
     again if its drifted rates say so: a collapsed request costs its batch a probe now and
-    then, ever more rarely. `optimism`: a shape's expected gain gets `optimism * S /
-    sqrt(1 + n)` more while n request-steps have been observed, so a few unlucky first
-    drafts cannot switch speculation off for good."""
+    then, ever more rarely. `optimism`: a shape's expected gain gets, per draft position,
+    `optimism / sqrt(1 + n)` more while n drafts at that depth have been observed, so a few
+    unlucky first drafts cannot switch speculation off for good, and a deeper shape is
+    measured before it is judged."""
 
     def __init__(self, shapes: list[Shape], costs: CostTable, prior: float = 0.7,
                  alpha: float = 0.3, alpha_engine: float = 0.05, alpha_prior: float = 0.01,
@@ -198,7 +199,7 @@ class AdaptivePolicy:
         self.engine_rates = start.copy()
         self.prior = start.copy()
         self.corr = {s: 1.0 for s in shapes}
-        self.observed = 0                   # request-steps of speculation seen
+        self.npos = np.zeros(D)             # request-steps that drafted at each depth
         self.seen = 0                       # the deepest draft position observed
         # per row: rates (rows, D), steps to wait, failed probes, speculating, owner rid
         self.rates = np.zeros((0, D))
@@ -262,7 +263,10 @@ class AdaptivePolicy:
         return out
 
     def _bonus(self, shape: Shape) -> float:
-        return self.optimism * shape.S / math.sqrt(1 + self.observed)
+        """Optimism for what has been seen little: per draft position of the shape,
+        `optimism / sqrt(1 + drafts observed at that depth)` (a depth never drafted adds the
+        whole `optimism`, so a deeper shape gets tried and measured)."""
+        return self.optimism * float((1.0 / np.sqrt(1.0 + self.npos[:shape.S])).sum())
 
     # ---- the choice ----------------------------------------------------------------------------
     def choose(self, reqs) -> Choice:
@@ -394,7 +398,7 @@ class AdaptivePolicy:
         mean = x.mean(0)
         self.engine_rates[:S] += (1 - (1 - self.alpha_engine) ** m) * (mean - self.engine_rates[:S])
         self.prior[:S] += (1 - (1 - self.alpha_prior) ** m) * (mean - self.prior[:S])
-        self.observed += m
+        self.npos[:S] += m
         self.seen = max(self.seen, S)
 
     # ---- saying why ----------------------------------------------------------------------------

@@ -88,7 +88,7 @@ def test_cost_table_cells_estimates_and_cache(tmp_path):
 # ---- the choice ----------------------------------------------------------------------------------
 def policy(costs: dict[str, float], shapes=(S3,)) -> AdaptivePolicy:
     p = AdaptivePolicy(list(shapes), CostTable.fixed(costs))
-    p.observed = 10**8          # no optimism left: the tests below check the arithmetic
+    p.npos[:] = 10**8           # no optimism left: the tests below check the arithmetic
     return p
 
 
@@ -112,7 +112,7 @@ def test_choice_follows_costs_and_acceptance():
 
 def test_unknown_costs_are_explored_first():
     p = AdaptivePolicy([S3, Shape(1, 1, 2)], CostTable())
-    p.observed = 10**8
+    p.npos[:] = 10**8
     r = FakeReq()
     c = p.choose([r])
     assert c.explore and c.shape is None
@@ -165,7 +165,7 @@ def test_optimism_keeps_trying_a_shape_until_it_has_seen_enough():
     p.observe_spec([r], S3, [0])
     p.state(r).rates[:] = 0.4                     # expected 1.2: 2.2 tokens for 2.2 steps
     assert p.choose([r]).shape == S3              # with 2 observations: still tried
-    p.observed = 10**6
+    p.npos[:] = 10**6
     assert p.choose([r]).shape is None            # with a million: the estimate decides
 
 
@@ -356,6 +356,7 @@ def test_a_deeper_shape_is_judged_by_the_observed_fall_off():
     r = FakeReq()
     for _ in range(30):
         p.observe_spec([r], S3, [3])
+    p.npos[:] = 10**8                                                 # no optimism
     rates = p.state(r).rates
     assert rates[3] == pytest.approx(0.7 ** 4) and p.seen == 3       # never observed
     deep = p.expected(rates, Shape(5, 1, 6))
