@@ -58,13 +58,16 @@ def bucket(n: int) -> int:
 # ---- costs ----------------------------------------------------------------------------------------
 class CostTable:
     """Seconds per step for each (choice label, batch bucket) that has run. A cell's first
-    observation is dropped (a first call can include one-time work: a kernel compiled, a
-    buffer grown) and the next two seed it with their minimum; after that an observation above
+    observation is dropped on CUDA (a first call can include one-time work: a kernel
+    compiled) and the next two seed it with their minimum; after that an observation above
     the estimate moves it by `alpha` (capped at 1.5x: a spike is one-time work, not the
     step), one below by half the gap. `frozen`: tests fix the costs."""
 
-    def __init__(self, path: Path | None = None, alpha: float = 0.1):
+    def __init__(self, path: Path | None = None, alpha: float = 0.1, drop_first: bool = True):
+        """`drop_first`: discard a cell's first observation (on CUDA, where a first call
+        compiles kernels; on CPU nothing compiles and exploring costs real time)."""
         self.path, self.alpha = path, alpha
+        self.seed = 3 if drop_first else 2      # observations before a cell is known
         self.cells: dict[str, list[float]] = {}          # "label@bucket" -> [seconds, count]
         self.frozen = False
         self.epoch = 0        # bumped when a cell becomes known, and every 32 updates after
@@ -84,7 +87,7 @@ class CostTable:
         b = 1
         while b <= max_batch:
             for label, sec in per_request.items():
-                t.cells[cls.key(label, b)] = [sec * b, 3]
+                t.cells[cls.key(label, b)] = [sec * b, t.seed]
             b *= 2
         t.frozen = True
         return t
@@ -95,18 +98,18 @@ class CostTable:
 
     def known(self, label: str, n: int) -> bool:
         c = self.cells.get(self.key(label, n))
-        return c is not None and c[1] >= 3
+        return c is not None and c[1] >= self.seed
 
     def observe(self, label: str, n: int, seconds: float) -> None:
         if self.frozen or seconds <= 0:
             return
         k = self.key(label, n)
         c = self.cells.get(k)
-        if c is None:
-            self.cells[k] = [float("inf"), 1]              # the warm-up call: not kept
-        elif c[1] < 3:
+        if c is None:      # with drop_first, the warm-up call is not kept
+            self.cells[k] = [float("inf") if self.seed == 3 else seconds, 1]
+        elif c[1] < self.seed:
             self.cells[k] = [min(c[0], seconds), c[1] + 1]
-            if c[1] + 1 == 3:
+            if c[1] + 1 == self.seed:
                 self.epoch += 1
                 self.save()
         else:   # spikes only go up (a compile, a collection): rise slowly, capped; fall fast
@@ -129,7 +132,7 @@ class CostTable:
         best = None
         for k, (sec, cnt) in self.cells.items():
             lab, _, b = k.rpartition("@")
-            if lab == label and cnt >= 3 and self.known(PLAIN, int(b)):
+            if lab == label and cnt >= self.seed and self.known(PLAIN, int(b)):
                 est = sec * here / self.cells[self.key(PLAIN, int(b))][0]
                 if best is None or abs(int(b) - bucket(n)) < best[0]:
                     best = (abs(int(b) - bucket(n)), est)

@@ -62,7 +62,8 @@ class AdaptiveWorker:
                                        req_to_token=res.req_to_token.req_to_token)
         self.plain_runner = ModelRunner(res, self.graphs)
         if costs is None:
-            costs = CostTable(cost_cache_path(self.identity()))
+            costs = CostTable(cost_cache_path(self.identity()),
+                              drop_first=res.device.type == "cuda")
         self.policy = AdaptivePolicy(shapes, costs)
         self.reset_stats()
 

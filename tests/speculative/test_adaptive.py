@@ -83,6 +83,10 @@ def test_cost_table_cells_estimates_and_cache(tmp_path):
     assert CostTable(path).cells == {}                 # a damaged cache is not trusted
     path.write_text(json.dumps({"version": -1, "cells": {"plain@1": [1.0, 9]}}))
     assert CostTable(path).cells == {}                 # nor one of another layout
+    cpu = CostTable(drop_first=False)                  # nothing compiles on CPU: two suffice
+    cpu.observe(PLAIN, 1, 0.5)
+    cpu.observe(PLAIN, 1, 0.3)
+    assert cpu.get(PLAIN, 1) == pytest.approx(0.3)
 
 
 # ---- the choice ----------------------------------------------------------------------------------
