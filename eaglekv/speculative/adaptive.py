@@ -71,13 +71,16 @@ class CostTable:
         self.cells: dict[str, list[float]] = {}          # "label@bucket" -> [seconds, count]
         self.frozen = False
         self.epoch = 0        # bumped when a cell becomes known, and every 32 updates after
+        self.saved_state: dict = {}     # the policy's acceptance summary, kept beside the costs
+        self.state_fn = None            # () -> that summary, called when the table is saved
         if path is not None and path.exists():
             try:
                 data = json.loads(path.read_text())
                 if data.get("version") == COST_VERSION:
                     self.cells = {k: [float(v[0]), int(v[1])] for k, v in data["cells"].items()}
-            except (ValueError, KeyError, TypeError, IndexError):
-                self.cells = {}                           # a damaged cache is rebuilt
+                    self.saved_state = dict(data.get("acceptance") or {})
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+                self.cells, self.saved_state = {}, {}     # a damaged cache is rebuilt
 
     @classmethod
     def fixed(cls, per_request: dict[str, float], max_batch: int = 1024) -> "CostTable":
@@ -144,7 +147,9 @@ class CostTable:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"version": COST_VERSION, "cells": self.cells}))
+            state = self.state_fn() if self.state_fn is not None else self.saved_state
+            tmp.write_text(json.dumps({"version": COST_VERSION, "cells": self.cells,
+                                       "acceptance": state}))
             os.replace(tmp, self.path)
         except OSError:
             pass                                          # a read-only cache dir: keep in memory
@@ -218,6 +223,36 @@ class AdaptivePolicy:
         self.next_refresh = 128
         self.replan_every = 8          # an all-plain choice holds this many steps (batch > 1)
         self._plain_key, self._plain_left = None, 0
+        self._restore(costs.saved_state)
+        costs.state_fn = self._summary_state
+
+    # ---- what the last engine learnt ------------------------------------------------------------
+    def _summary_state(self) -> dict:
+        return {"depth": self.depth, "engine_rates": self.engine_rates.tolist(),
+                "prior": self.prior.tolist(), "npos": self.npos.tolist(), "seen": self.seen,
+                "corr": {s.label: c for s, c in self.corr.items()}}
+
+    def _restore(self, st: dict, max_weight: float = 50.0) -> None:
+        """Start from the acceptance the last engine on this device, model and draft saw
+        (saved beside the costs): its rates as the prior, its draft counts capped at
+        `max_weight`, so a new workload still gets some optimism. Ignored if malformed."""
+        try:
+            if st.get("depth") != self.depth:
+                return
+            rates = np.clip(np.array(st["engine_rates"], dtype=np.float64), 0.0, 1.0)
+            prior = np.clip(np.array(st["prior"], dtype=np.float64), 0.0, 1.0)
+            npos = np.minimum(np.array(st["npos"], dtype=np.float64), max_weight)
+            if rates.shape != (self.depth,) or prior.shape != rates.shape or \
+                    npos.shape != rates.shape:
+                return
+            self.engine_rates, self.prior, self.npos = rates, prior, npos
+            self.seen = int(min(max(int(st["seen"]), 0), self.depth))
+            for s in self.shapes:
+                c = st["corr"].get(s.label)
+                if isinstance(c, (int, float)) and 0 < c <= 4:
+                    self.corr[s] = float(c)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return
 
     # ---- per request ---------------------------------------------------------------------------
     def _rows(self, reqs) -> np.ndarray:

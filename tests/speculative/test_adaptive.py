@@ -366,3 +366,23 @@ def test_a_deeper_shape_is_judged_by_the_observed_fall_off():
     deep = p.expected(rates, Shape(5, 1, 6))
     assert deep == pytest.approx(p.expected(rates, S3) + 2 * rates[2], rel=0.05)
     assert p.choose([r]).shape == Shape(5, 1, 6)
+
+
+def test_acceptance_is_saved_beside_the_costs_and_restored(tmp_path):
+    """A new engine starts from the last one's acceptance (its draft counts capped, so some
+    optimism is left); a malformed summary is ignored."""
+    path = tmp_path / "c.json"
+    p = AdaptivePolicy([S3], CostTable(path))
+    r = FakeReq()
+    for _ in range(200):
+        p.observe_spec([r], S3, [1])
+    for _ in range(3):
+        p.costs.observe(PLAIN, 1, 0.01)             # a cell becoming known saves the file
+    q = AdaptivePolicy([S3], CostTable(path))
+    assert q.engine_rates[:3] == pytest.approx([1.0, 0.0, 0.0], abs=0.01)
+    assert list(q.npos[:3]) == [50.0, 50.0, 50.0] and q.seen == 3
+    data = json.loads(path.read_text())
+    data["acceptance"]["engine_rates"] = "nonsense"
+    path.write_text(json.dumps(data))
+    fresh = AdaptivePolicy([S3], CostTable(path))
+    assert fresh.engine_rates[0] == pytest.approx(0.7) and fresh.seen == 0
