@@ -185,11 +185,13 @@ class AdaptivePolicy:
     engine-wide rates), so a batch-64 step costs a few vector ops, not 64 Python loops.
 
     `alpha`: a request's rate average; `alpha_engine`: the engine-wide one new requests start
-    from; `alpha_prior`: the slow average a request that decodes plainly drifts back to (`beta`
-    of the way a step). A request switched off waits 2, 4, 8 ... up to `max_wait` plain steps
-    (doubling each time it is switched off again without accepting a draft), then is tried
-    again if its drifted rates say so: a collapsed request costs its batch a probe now and
-    then, ever more rarely. `optimism`: a shape's expected gain gets, per draft position,
+    from; `alpha_prior`: the engine's slow average. A request that decodes plainly drifts
+    (`beta` of the way a step) back to its own slow average (`alpha_slow`, started at the
+    larger of the engine's two), so a request that was good and collapsed is tried again, and
+    one that is steadily poor is not. A request switched off waits 2, 4, 8 ... up to
+    `max_wait` plain steps (doubling each time it is switched off again; each run of two
+    speculative steps in a row halves the backoff again), then is tried if its drifted rates
+    say so: a collapsed request costs its batch a probe now and then, ever more rarely. `optimism`: a shape's expected gain gets, per draft position,
     `optimism / sqrt(1 + n)` more while n drafts at that depth have been observed, so a few
     unlucky first drafts cannot switch speculation off for good, and a deeper shape is
     measured before it is judged."""
@@ -203,6 +205,7 @@ class AdaptivePolicy:
         self.alpha, self.alpha_engine, self.alpha_prior, self.beta = (alpha, alpha_engine,
                                                                       alpha_prior, beta)
         self.max_wait, self.optimism = max_wait, optimism
+        self.alpha_slow = 0.05
         start = prior ** np.arange(1, D + 1)
         self.engine_rates = start.copy()
         self.prior = start.copy()
@@ -211,6 +214,7 @@ class AdaptivePolicy:
         self.seen = 0                       # the deepest draft position observed
         # per row: rates (rows, D), steps to wait, failed probes, speculating, owner rid
         self.rates = np.zeros((0, D))
+        self.slow = np.zeros((0, D))        # each request's slow average: where it drifts back
         self.wait = np.zeros(0, dtype=np.int64)
         self.probes = np.zeros(0, dtype=np.int64)
         self.on = np.zeros(0, dtype=bool)
@@ -263,6 +267,7 @@ class AdaptivePolicy:
             n = int(rows.max()) + 1
             grow = n - len(self.owner)
             self.rates = np.concatenate([self.rates, np.zeros((grow, self.depth))])
+            self.slow = np.concatenate([self.slow, np.zeros((grow, self.depth))])
             self.wait = np.concatenate([self.wait, np.zeros(grow, dtype=np.int64)])
             self.probes = np.concatenate([self.probes, np.zeros(grow, dtype=np.int64)])
             self.on = np.concatenate([self.on, np.zeros(grow, dtype=bool)])
@@ -271,6 +276,7 @@ class AdaptivePolicy:
         if fresh.any():
             f = rows[fresh]
             self.rates[f] = self.engine_rates
+            self.slow[f] = np.maximum(self.engine_rates, self.prior)
             self.wait[f], self.probes[f], self.on[f] = 0, 0, True
             self.owner[f] = rids[fresh]
         return rows
@@ -413,7 +419,7 @@ class AdaptivePolicy:
         self.wait[off] = np.minimum(2 ** np.minimum(self.probes[off], 30), self.max_wait)
         self.on[rows] = False
         self.wait[rows] = np.maximum(0, self.wait[rows] - 1)
-        self.rates[rows] += self.beta * (self.prior - self.rates[rows])
+        self.rates[rows] += self.beta * (self.slow[rows] - self.rates[rows])
 
     def observe_spec(self, reqs, shape: Shape, accepted: list[int | None]) -> None:
         """Accepted draft tokens of each request of a speculative step (None: it failed)."""
@@ -423,7 +429,8 @@ class AdaptivePolicy:
         rows = self._rows([reqs[i] for i in keep])
         a = np.array([accepted[i] for i in keep], dtype=np.float64)           # (m,)
         S, m = shape.S, len(keep)
-        self.probes[rows[a > 0]] = 0           # drafts are accepted again
+        again = rows[self.on[rows]]            # speculating two steps in a row: the
+        self.probes[again] = np.maximum(0, self.probes[again] - 1)   # backoff shrinks
         self.on[rows] = True
         est = np.minimum.accumulate(self.rates[rows, :S], axis=1).sum(1)       # (m,)
         ok = est > 0.05
@@ -433,6 +440,7 @@ class AdaptivePolicy:
             self.corr[shape] += w * (ratio - self.corr[shape])
         x = (a[:, None] >= np.arange(1, S + 1)[None, :]).astype(np.float64)   # (m, S)
         self.rates[rows, :S] += self.alpha * (x - self.rates[rows, :S])
+        self.slow[rows, :S] += self.alpha_slow * (x - self.slow[rows, :S])
         mean = x.mean(0)
         self.engine_rates[:S] += (1 - (1 - self.alpha_engine) ** m) * (mean - self.engine_rates[:S])
         self.prior[:S] += (1 - (1 - self.alpha_prior) ** m) * (mean - self.prior[:S])
