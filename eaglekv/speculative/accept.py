@@ -107,12 +107,17 @@ def sample_accept(tree: DraftTree, target_p: torch.Tensor, coins: torch.Tensor,
             cc = c.clamp(min=0)
             x = tree.tokens.gather(1, cc[:, None])                                     # (B, 1)
             q = _row(tree.draft_probs, cc)                                             # (B, V)
+            # a draft distribution that is not finite (NaN, inf) failed: its proposal is not
+            # tried and the token is drawn from p here, a plain step (the residual p - q of a
+            # NaN q would fall back to p and could emit the very token it rejected)
+            usable = has & torch.isfinite(q).all(-1)                                   # (B,)
             px, qx = p.gather(1, x).squeeze(1), q.gather(1, x).squeeze(1)              # (B,)
             u = coins.gather(1, cc[:, None]).squeeze(1)                                # (B,)
-            ok = has & (u * qx < px)                 # u < min(1, p(x)/q(x)), u in [0, 1)
+            ok = usable & (u * qx < px)              # u < min(1, p(x)/q(x)), u in [0, 1)
             nxt = torch.where(ok, c, N)
-            # rejected: r = max(p - q, 0); a leaf: r = p; zero residual (rounding): r = p
-            r = torch.where(has[:, None], (p - q).clamp(min=0), p)                     # (B, V)
+            # rejected: r = max(p - q, 0); a leaf or a failed draft: r = p; zero residual
+            # (rounding): r = p
+            r = torch.where(usable[:, None], (p - q).clamp(min=0), p)                  # (B, V)
             r = torch.where(r.sum(-1, keepdim=True) > 0, r, p)
         else:
             kid = (tree.parent == cur[:, None]) & fresh                                # (B, N)

@@ -17,6 +17,7 @@ import torch
 
 from eaglekv.core import DraftTree
 from eaglekv.errors import ConfigError, EaglekvError
+from eaglekv.kernels.guard import guard_indices
 
 
 class TreeError(EaglekvError, ValueError):
@@ -101,12 +102,16 @@ def build_tree(root_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_parent
         raise ValueError(f"build_tree: cand_tokens {tuple(cand_tokens.shape)}, cand_parents "
                          f"{tuple(cand_parents.shape)} must be (B, M) and root_tokens "
                          f"{tuple(root_tokens.shape)} (B,) with B = {B}")
+    # both index the pool: a bad one is KVIndexError (on CUDA through the device error buffer,
+    # replaced by 0 so the gathers stay inside the pool), never a raw gather error
+    selected = guard_indices(selected, M, "draft tree selection (pool index)")
     tokens = torch.cat([root_tokens[:, None], cand_tokens.gather(1, selected)], 1)    # (B, N)
 
     # node_of[b, m] = node index of pool candidate m (i for m = selected[b, i-1]), -1 if unused
     node_of = torch.full((B, M), -1, dtype=torch.int64, device=dev)
     node_of.scatter_(1, selected, torch.arange(1, N, device=dev).expand(B, N1))        # (B, M)
-    ppool = cand_parents.gather(1, selected)                                           # (B, N-1)
+    ppool = guard_indices(cand_parents.gather(1, selected), M,
+                          "draft tree parent (pool index, -1 = the root)", low=-1)     # (B, N-1)
     # parent node: pool -1 -> root (node 0); otherwise node_of[pool parent] (-1 if orphaned)
     pnode = torch.where(ppool < 0, torch.zeros_like(ppool),
                         node_of.gather(1, ppool.clamp(min=0)))                         # (B, N-1)
@@ -158,7 +163,10 @@ def check_tree(tree: DraftTree) -> None:
         raise TreeError("draft tree root (node 0) must have parent -1")
     if bool(bad.any()):
         b, i = (int(x) for x in bad.nonzero()[0])
-        raise TreeError(f"draft tree node {i + 1} of request {b} has parent "
-                        f"{int(tree.parent[b, i + 1])}, not in [0, {i + 1}): the selection "
-                        f"passed to build_tree is not ancestor-closed "
-                        f"({int(bad.sum())} bad nodes)")
+        par = int(tree.parent[b, i + 1])
+        why = ("the selection passed to build_tree is not ancestor-closed (its parent was "
+               "not selected)" if par < 0 else
+               "the selection passed to build_tree is not sorted ascending (a parent must come "
+               "before its children; `organize` sorts it)")
+        raise TreeError(f"draft tree node {i + 1} of request {b} has parent {par}, not in "
+                        f"[0, {i + 1}): {why} ({int(bad.sum())} bad nodes)")

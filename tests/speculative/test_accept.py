@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from eaglekv.core import VerifyResult
+from eaglekv.kernels.guard import kv_guard
 from eaglekv.speculative.accept import greedy_accept, sample_accept
 from eaglekv.speculative.tree import build_tree, chain_tree, organize
 from helpers import random_pool      # the candidate-pool generator of the tree tests
@@ -351,10 +352,15 @@ def test_pipeline_has_no_host_sync_and_replays_in_a_cuda_graph():
     coins, expo = (x.cuda() for x in draws(g, B, N, V))
     argmax = p.argmax(-1)
 
+    guard = kv_guard(torch.device("cuda"))
+
     def step():
-        sel = organize(ins["scores"], N)
-        tree = build_tree(ins["roots"], ins["toks"], ins["parents"], sel)
-        a, b = greedy_accept(tree, argmax, S), sample_accept(tree, p, coins, expo, S)
+        # inside an engine step, as in the runners: build_tree's pool-index guard defers
+        # its check to the step's one sync (the device error buffer)
+        with guard.step():
+            sel = organize(ins["scores"], N)
+            tree = build_tree(ins["roots"], ins["toks"], ins["parents"], sel)
+            a, b = greedy_accept(tree, argmax, S), sample_accept(tree, p, coins, expo, S)
         return [tree.mask, tree.first_child, a.path, a.bonus, b.path, b.bonus]
 
     eager = step()
@@ -373,5 +379,26 @@ def test_pipeline_has_no_host_sync_and_replays_in_a_cuda_graph():
         out = step()
     graph.replay()
     torch.cuda.synchronize()
+    guard.raise_if_error()                        # the pool indices were all in range
     for e, o in zip(eager, out):
         assert torch.equal(e, o)
+
+
+def test_a_non_finite_draft_distribution_is_a_plain_step():
+    """p = [.2, .3, .5], q = [.5, NaN, .1], draft token 0 (issue 16): the NaN residual used to
+    fall back to p after rejecting token 0, so token 0 came out with probability 0.4 + 0.6 *
+    0.2 = 0.52. A non-finite q is a failed draft: the token is drawn from p, P(0) = 0.2."""
+    g = torch.Generator().manual_seed(0)
+    B = 20000
+    p = torch.tensor([0.2, 0.3, 0.5])
+    q = torch.tensor([0.5, float("nan"), 0.1])
+    tree = chain_tree(torch.zeros(B, dtype=torch.int64), torch.zeros(B, 1, dtype=torch.int64),
+                      q.expand(B, 1, 3).clone())
+    target = p.expand(B, 2, 3).clone()
+    coins = torch.rand(B, 2, generator=g)
+    expo = torch.empty(B, 3).exponential_(generator=g)
+    res = sample_accept(tree, target, coins, expo, 1)
+    first = res.committed_tokens(tree)[:, 0]
+    assert not bool(res.accept_len.any())                  # the failed draft is never accepted
+    freq = torch.bincount(first, minlength=3).float() / B
+    assert torch.allclose(freq, p, atol=0.015), freq       # 3.5 sigma at B = 20000

@@ -152,3 +152,37 @@ def test_build_tree_gathers_draft_probs(device):
     assert torch.equal(tree.draft_probs[:, 0], torch.zeros(B, 5, device=device))
     for b in range(B):
         assert torch.equal(tree.draft_probs[b, 1:], probs[b, sel[b]])
+
+
+@pytest.mark.parametrize("bad,what", [("parent", "draft tree parent"),
+                                      ("selected", "draft tree selection")])
+def test_an_index_outside_the_pool_is_a_kv_index_error(bad, what):
+    """A parent pool index past the pool (or a selection past it) is eaglekv's KVIndexError
+    naming the index and the limit, not a raw gather error (on CUDA: a device assert)."""
+    from eaglekv.errors import KVIndexError
+    roots = torch.tensor([5])
+    toks = torch.tensor([[10, 11, 12, 13]])                  # M = 4
+    parents = torch.tensor([[-1, -1, 0, 1]])
+    sel = torch.tensor([[0, 1, 2]])
+    if bad == "parent":
+        parents = torch.tensor([[-1, -1, 9, 1]])             # 9 is not a pool index
+    else:
+        sel = torch.tensor([[0, 1, 4]])
+    v, low = (9, -1) if bad == "parent" else (4, 0)
+    with pytest.raises(KVIndexError, match=rf"\b{v} out of range \[{low}, 4\) in {what}"):
+        build_tree(roots, toks, parents, sel)
+
+
+def test_check_tree_tells_an_unsorted_selection_from_a_missing_parent():
+    """Ancestor-closed but not ascending: the message says "not sorted", not "not
+    ancestor-closed"."""
+    roots = torch.tensor([5])
+    toks = torch.tensor([[10, 11, 12]])
+    parents = torch.tensor([[-1, 0, 1]])                     # a chain 0 -> 1 -> 2
+    tree = build_tree(roots, toks, parents, torch.tensor([[2, 0, 1]]))   # closed, unsorted
+    with pytest.raises(TreeError, match="not sorted ascending") as e:
+        check_tree(tree)
+    assert "not ancestor-closed" not in str(e.value)
+    orphan = build_tree(roots, toks, parents, torch.tensor([[0, 2]]))     # 1 left out
+    with pytest.raises(TreeError, match="not ancestor-closed"):
+        check_tree(orphan)
