@@ -15,17 +15,20 @@ from helpers import tiny_engine
 PROMPT = [3, 14, 15, 92, 65]
 NEW = 6
 
+# each field valid most of the time, so that both outcomes come up (a config with any bad
+# field is refused, so uniformly drawn fields would almost never run)
 configs = st.fixed_dictionaries({
-    "algorithm": st.sampled_from(["eagle", "eagle3", "multi_layer_eagle", "none", "medusa"]),
-    "num_steps": st.one_of(st.none(), st.integers(-1, 6)),
-    "topk": st.one_of(st.none(), st.integers(-1, 4)),
-    "num_draft_tokens": st.one_of(st.none(), st.integers(-1, 14)),
-    "adaptive": st.sampled_from([None, False, True]),
-    "page_size": st.sampled_from([0, 1, 2, 4, 16, -3]),
-    "max_running_requests": st.integers(-1, 5),
-    "max_context_len": st.one_of(st.none(), st.integers(-1, 64)),
-    "max_total_tokens": st.one_of(st.integers(-5, 600)),
-    "dtype": st.sampled_from(["float32", "bfloat16", "float16", "int8", "fp64"]),
+    "algorithm": st.sampled_from(["eagle"] * 6 + ["eagle3"] * 3 + ["multi_layer_eagle"] * 2
+                                 + ["none", "medusa"]),
+    "num_steps": st.sampled_from([None] * 4 + [1, 2, 3, 4, 5] * 2 + [0, -1]),
+    "topk": st.sampled_from([None] * 4 + [1, 1, 2, 3, 0]),
+    "num_draft_tokens": st.sampled_from([None] * 6 + [2, 3, 4, 5, 6, 8, 12, 1, 0]),
+    "adaptive": st.sampled_from([None] * 4 + [False, True]),
+    "page_size": st.sampled_from([1, 1, 1, 2, 4, 16, 0, -3]),
+    "max_running_requests": st.sampled_from([1, 2, 4, 4, 5, 0, -1]),
+    "max_context_len": st.sampled_from([None, None, 64, 32, 16, 2, 1, -1]),
+    "max_total_tokens": st.sampled_from([512, 512, 256, 128, 64, 16, 0, -5]),
+    "dtype": st.sampled_from(["float32"] * 4 + ["bfloat16", "float16", "int8", "fp64"]),
 })
 
 
@@ -46,7 +49,7 @@ def plain_outputs(deep_dir):
 counts = {"refused": 0, "ran": 0}
 
 
-@settings(max_examples=120, deadline=None, derandomize=True,
+@settings(max_examples=300, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(cfg=configs)
 def test_a_random_config_is_refused_clearly_or_runs_losslessly(deep_dir, plain_outputs, cfg):
@@ -82,4 +85,5 @@ def test_the_fuzzer_exercised_both_outcomes():
     """Runs after the fuzz test (file order): both kinds of config came up."""
     if counts["refused"] + counts["ran"] == 0:
         pytest.skip("the fuzz test did not run")
-    assert counts["refused"] >= 10 and counts["ran"] >= 10, counts
+    assert counts["refused"] >= 30 and counts["ran"] >= 40, counts
+    print(f"config fuzz: {counts}")
