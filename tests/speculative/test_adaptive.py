@@ -386,3 +386,18 @@ def test_acceptance_is_saved_beside_the_costs_and_restored(tmp_path):
     path.write_text(json.dumps(data))
     fresh = AdaptivePolicy([S3], CostTable(path))
     assert fresh.engine_rates[0] == pytest.approx(0.7) and fresh.seen == 0
+
+
+def test_prometheus_counts_steps_per_choice():
+    """`eaglekv:spec_decode_steps_by_choice{choice=}` grows by the difference of
+    SpecStats.choices between refreshes (a label per choice)."""
+    from eaglekv.core import SpecStats
+    from eaglekv.server.metrics import Metrics
+    m = Metrics("m")
+    m._count_spec(SpecStats(3, 9, 4, {2: 1, 3: 2}, {"plain": 5, "S3K1N4": 3}))
+    m._count_spec(SpecStats(4, 12, 6, {2: 1, 3: 3}, {"plain": 7, "S3K1N4": 4,
+                                                    "S3K1N4+plain": 1}))
+    got = {s.labels["choice"]: s.value for metric in m.registry.collect()
+           if metric.name == "eaglekv:spec_decode_steps_by_choice"
+           for s in metric.samples if s.name.endswith("_total")}
+    assert got == {"plain": 7, "S3K1N4": 4, "S3K1N4+plain": 1}
