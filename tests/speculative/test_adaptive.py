@@ -401,3 +401,26 @@ def test_prometheus_counts_steps_per_choice():
            if metric.name == "eaglekv:spec_decode_steps_by_choice"
            for s in metric.samples if s.name.endswith("_total")}
     assert got == {"plain": 7, "S3K1N4": 4, "S3K1N4+plain": 1}
+
+
+def test_a_bad_start_does_not_keep_speculation_off(tiny_dir):
+    """Drafts rejected for the first 10 tokens of every request (as at the start of a story),
+    then right (on the H200, early rejections kept a whole batch-1 run plain). The first steps
+    must not decide: past token 20 the requests speculate almost every step."""
+    sp = SamplingParams(max_new_tokens=80, ignore_eos=True)
+    refs = [o.token_ids for o in tiny_engine(tiny_dir).generate(PROMPTS[:3], sp)]
+    eng = adaptive_engine(tiny_dir, shapes=((3, 1, 4), (5, 1, 6)),
+                          costs={PLAIN: 1.0, "S3K1N4": 2.0, "S5K1N6": 2.4},
+                          drafter=ScriptedDrafter(oracle(PROMPTS[:3], refs, lambda j: j < 10),
+                                                  256))
+    late = []
+    for prompt, ref in zip(PROMPTS[:3], refs):
+        req = eng.add_request(prompt, sp)
+        while eng.has_unfinished():
+            n = len(req.output_ids)
+            eng.step()
+            if eng.runner.policy.last is not None and n >= 20:
+                late.append(eng.runner.policy.last.label)
+            eng.runner.policy.last = None
+        assert req.output_ids == ref
+    assert late and sum(c != PLAIN for c in late) >= 0.8 * len(late), late
