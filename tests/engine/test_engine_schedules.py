@@ -25,7 +25,10 @@ MAX_NEW = 32
 SEEDS = [0, 1, 2]
 CONFIGS = {"plain": None, "eagle_chain": spec("eagle", 3, 1, 4),
            "eagle_tree": spec("eagle", 3, 2, 6), "eagle_wide": spec("eagle", 2, 4, 7),
-           "eagle3_tree": spec("eagle3", 3, 2, 6), "multi_layer": spec("multi_layer_eagle", 3)}
+           "eagle3_tree": spec("eagle3", 3, 2, 6), "multi_layer": spec("multi_layer_eagle", 3),
+           # plain, speculative and split steps by the policy (fixed costs close to even)
+           "adaptive": dict(algorithm="eagle", draft_model="random", adaptive=True,
+                            shapes=((3, 1, 4), (2, 2, 4)))}
 
 
 @dataclass
@@ -71,6 +74,9 @@ def test_random_schedule(deep_dir, references, config, ps, seed):  # noqa: F811
     eng = tiny_engine(deep_dir, page_size=ps, max_running_requests=rng.choice([3, 4, 6]),
                       max_total_tokens=128, chunked_prefill_size=rng.choice([None, 3, 16]),
                       **extra)
+    if config == "adaptive":
+        from eaglekv.speculative.adaptive import CostTable
+        eng.runner.policy.costs = CostTable.fixed({"plain": 1.0, "S3K1N4": 1.5, "S2K2N4": 1.5})
     reqs: dict[int, object] = {}
     step = 0
     while step < 12 or eng.has_unfinished():
@@ -105,3 +111,7 @@ def test_random_schedule(deep_dir, references, config, ps, seed):  # noqa: F811
     assert eng.allocator.is_full()
     assert not eng.running and not eng.waiting
     eng.check_memory()
+    if config == "adaptive":      # the schedule mixed the kinds of step
+        counts = eng.spec_stats().choices
+        assert counts.get("plain", 0) and sum(v for k, v in counts.items() if k != "plain"), \
+            counts
