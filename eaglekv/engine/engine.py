@@ -219,9 +219,26 @@ class Engine:
                 yield delta
 
     def check_memory(self) -> None:
-        """Raise unless the books balance; with no request left, everything must be free."""
+        """Raise unless the books balance (between steps): every slot in use is referenced by
+        exactly one running request's req_to_token row, every referenced slot is in use; with
+        no request left, everything must be free."""
         self.allocator.check_integrity()
         self.req_to_token.check_integrity()
+        rows = [self.req_to_token.req_to_token[r.row, :r.kv_len] for r in self.running
+                if r.kv_len]
+        ref = (torch.cat(rows).to("cpu", torch.int64) if rows
+               else torch.zeros(0, dtype=torch.int64))
+        uniq, counts = ref.unique(return_counts=True)
+        if (counts > 1).any():
+            raise AssertionError(f"slot {int(uniq[counts > 1][0])} is in the req_to_token rows "
+                                 f"of two requests (or twice in one)")
+        used = self.allocator.used_slots()
+        if not torch.equal(uniq, used):
+            orphan = used[~torch.isin(used, uniq)]
+            free = uniq[~torch.isin(uniq, used)]
+            raise AssertionError(f"req_to_token and the allocator disagree: {orphan.numel()} "
+                                 f"slots in use by no request {orphan[:5].tolist()}, "
+                                 f"{free.numel()} referenced but free {free[:5].tolist()}")
         if not self.has_unfinished() and not self.allocator.is_full():
             raise AssertionError(f"KV leak: {self.allocator.num_used()} slots still in use "
                                  f"with no request left")

@@ -115,3 +115,25 @@ def test_random_schedule(deep_dir, references, config, ps, seed):  # noqa: F811
         counts = eng.spec_stats().choices
         assert counts.get("plain", 0) and sum(v for k, v in counts.items() if k != "plain"), \
             counts
+
+
+def test_check_memory_sees_a_foreign_or_orphaned_slot(deep_dir):
+    """The between-steps books (used by every schedule above): a request whose row points at
+    another request's slot, and a slot in use by nobody, are both reported."""
+    eng = tiny_engine(deep_dir, max_running_requests=2)
+    a, b = (eng.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True))
+            for p in ([1, 2, 3, 4], [5, 6, 7]))
+    eng.step()
+    eng.step()
+    eng.check_memory()
+    r2t = eng.req_to_token.req_to_token
+    saved = r2t[b.row, 0].clone()
+    r2t[b.row, 0] = r2t[a.row, 1]                    # b's first token "is" a's second slot
+    with pytest.raises(AssertionError, match="two requests"):
+        eng.check_memory()
+    r2t[b.row, 0] = saved
+    stray = eng.allocator.alloc(1)
+    with pytest.raises(AssertionError, match="in use by no request"):
+        eng.check_memory()
+    eng.allocator.free(stray)
+    eng.check_memory()
