@@ -1,14 +1,16 @@
 """Seeded random schedules (CPU, fp32, tiny random target): requests arrive at random steps with
 random prompt lengths and budgets, some are sampled, some are aborted while queued or
-mid-step, the KV pool is small enough that the engine preempts and recomputes, and prompts
-are prefilled whole or in chunks of 3 or 16 tokens. Plain decoding and every speculative
-family, page sizes 1 and 4.
+mid-step, some greedy ones stop at a stop id (a token their reference emits), the KV pool is
+small enough that the engine preempts and recomputes, and prompts are prefilled whole or in
+chunks of 3 or 16 tokens. Plain decoding, every speculative family and adaptive speculation,
+page sizes 1 and 4.
 
-Checked after every step: the allocator's and the row pool's books balance, and every greedy
+Checked after every step: the allocator's and the row pool's books balance and agree with the
+requests' req_to_token rows (each slot in use is one request's), and every greedy
 request's output so far is a prefix of its plain greedy reference (so a request whose KV another
 one overwrote shows up at the step it happens). At the end: every greedy request that was not
-aborted equals its reference, sampled ones have their full length, aborted ones hold a prefix
-of theirs, and every slot and row is free again.
+aborted equals its reference (cut after its stop id, finish_reason "stop"), sampled ones have
+their full length, aborted ones hold a prefix of theirs, and every slot and row is free again.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Planned:
     arrival: int                 # step at which it is added
     abort_at: int | None         # step at which it is aborted (None: never)
     sampled: bool
+    stop_at: int | None = None   # greedy: its reference token at this index is a stop id
 
 
 def plan(seed: int, n: int = 10) -> list[Planned]:
@@ -45,9 +48,11 @@ def plan(seed: int, n: int = 10) -> list[Planned]:
     out = []
     for _ in range(n):
         abort_at = rng.randrange(0, 25) if rng.random() < 0.25 else None
+        max_new = rng.randint(1, MAX_NEW)
         out.append(Planned(prompt=[rng.randrange(256) for _ in range(rng.randint(1, 40))],
-                           max_new=rng.randint(1, MAX_NEW), arrival=rng.randrange(0, 12),
-                           abort_at=abort_at, sampled=rng.random() < 0.2))
+                           max_new=max_new, arrival=rng.randrange(0, 12),
+                           abort_at=abort_at, sampled=rng.random() < 0.2,
+                           stop_at=rng.randrange(max_new) if rng.random() < 0.3 else None))
     return out
 
 
@@ -82,9 +87,11 @@ def test_random_schedule(deep_dir, references, config, ps, seed):  # noqa: F811
     while step < 12 or eng.has_unfinished():
         for i, p in enumerate(planned):
             if p.arrival == step:
+                stop = () if p.stop_at is None or p.sampled else (refs[i][p.stop_at],)
                 params = (SamplingParams(max_new_tokens=p.max_new, temperature=0.8, seed=i,
                                          ignore_eos=True) if p.sampled else
-                          SamplingParams(max_new_tokens=p.max_new, ignore_eos=True))
+                          SamplingParams(max_new_tokens=p.max_new, ignore_eos=True,
+                                         stop_token_ids=stop))
                 reqs[i] = eng.add_request(p.prompt, params)
             if p.abort_at == step and i in reqs:
                 eng.abort(reqs[i])
@@ -103,11 +110,15 @@ def test_random_schedule(deep_dir, references, config, ps, seed):  # noqa: F811
         if r.finish_reason == "abort":
             assert p.abort_at is not None and len(r.output_ids) < p.max_new
             continue
-        assert r.finish_reason == "length" and len(r.output_ids) == p.max_new
         if p.sampled:
+            assert r.finish_reason == "length" and len(r.output_ids) == p.max_new
             assert all(0 <= t < 256 for t in r.output_ids)
-        else:
-            assert r.output_ids == refs[i][:p.max_new]
+            continue
+        want = refs[i][:p.max_new]
+        if p.stop_at is not None:     # ends at the first occurrence of the stop id, kept
+            want = want[:want.index(want[p.stop_at]) + 1]
+        assert r.output_ids == want
+        assert r.finish_reason == ("stop" if p.stop_at is not None else "length")
     assert eng.allocator.is_full()
     assert not eng.running and not eng.waiting
     eng.check_memory()
