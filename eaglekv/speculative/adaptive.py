@@ -277,7 +277,7 @@ class AdaptivePolicy:
             f = rows[fresh]
             self.rates[f] = self.engine_rates
             self.slow[f] = np.maximum(self.engine_rates, self.prior)
-            self.wait[f], self.probes[f], self.on[f] = 0, 0, True
+            self.wait[f], self.probes[f], self.on[f] = 0, 0, False   # not switched off yet
             self.owner[f] = rids[fresh]
         return rows
 
@@ -290,7 +290,7 @@ class AdaptivePolicy:
     def expected(self, rates: np.ndarray, shape: Shape) -> float:
         """Expected accepted draft tokens under `shape` (rates made non-increasing)."""
         eff = np.minimum.accumulate(self._extrapolated(rates[None, :])[0, :shape.S])
-        return self.corr[shape] * float(eff.sum())
+        return min(self.corr[shape] * float(eff.sum()), float(shape.S))
 
     def _extrapolated(self, rates: np.ndarray) -> np.ndarray:
         """(n, D) rates with the positions deeper than any observed one continued at the
@@ -339,8 +339,8 @@ class AdaptivePolicy:
         plain_cost = self._cost_curve(PLAIN, B)                                # [n] for n = 0..B
         best_v, best = B / plain_cost[B], Choice(None, [], list(range(B)))
         for s in self.shapes:
-            gain = np.where(waiting, -np.inf,
-                            self.corr[s] * cum[:, s.S - 1] + self._bonus(s))  # (B,)
+            gain = np.where(waiting, -np.inf, np.minimum(self.corr[s] * cum[:, s.S - 1], s.S)
+                            + self._bonus(s))                                  # (B,)
             order = np.argsort(-gain, kind="stable")
             g = gain[order]
             usable = int(np.isfinite(g).sum())                 # the waiting ones sort last
@@ -365,7 +365,7 @@ class AdaptivePolicy:
             total += run
             sums.append(total)
         for s in self.shapes:
-            v = ((1 + self.corr[s] * sums[s.S - 1] + self._bonus(s))
+            v = ((1 + min(self.corr[s] * sums[s.S - 1], s.S) + self._bonus(s))
                  / self._cost_curve(s.label, 1)[1])
             if v > best_v:
                 best_v, best = v, Choice(s, [0], [])

@@ -181,8 +181,11 @@ def test_batch_state_is_per_row_and_resets_for_a_new_request():
     c = FakeReq()
     c.row = a.row                                 # a finished; c took its row
     assert list(p.state(c).rates) == list(p.engine_rates)
-    p.observe_plain([c])
-    assert p.state(c).wait == 1 and not p.state(c).speculating
+    p.observe_plain([c])                          # never speculated: nothing to back off
+    assert p.state(c).wait == 0 and not p.state(c).speculating
+    p.observe_spec([c], S3, [0])
+    p.observe_plain([c])                          # switched off: waits (2, one step gone)
+    assert p.state(c).wait == 1 and p.state(c).probes == 1
 
 
 def test_tree_correction_learns_what_the_shape_accepts():
