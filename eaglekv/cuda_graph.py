@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from eaglekv.attention.triton_backend import TritonAttnMetadata
+from eaglekv.errors import KVIndexError
 from eaglekv.kernels.guard import kv_guard
 from eaglekv.model.llama import ModelOutput
 from eaglekv.sampling import valid_argmax
@@ -137,6 +138,7 @@ class DecodeGraphs(CapturedForwards):
             self.host = self.host.pin_memory()
         self.host_np = self.host.numpy()
         self.dev = torch.zeros(len(self.FIELDS), n, dtype=torch.int64, device=self.device)
+        self.chain = None         # replay_chain's buffers, made on its first use
         self.capture_all(progress)
 
     def _forward(self, b: int) -> tuple:
@@ -169,6 +171,50 @@ class DecodeGraphs(CapturedForwards):
         self.dev.copy_(self.host, non_blocking=True)
         logits, greedy = self._replay(b)
         return logits[:n], greedy[:n]
+
+    def replay_chain(self, ids: list[int], positions: list[int], rows: list[int],
+                     slots: np.ndarray) -> torch.Tensor:
+        """k greedy decode steps of n requests back to back, no host work between them (the
+        multi-step decode of `EngineConfig.num_scheduler_steps`): step j's input token is
+        step j - 1's argmax, copied on the device; request i sits at positions[i] + j and
+        writes slots[j, i] ((k, n), allocated and in req_to_token). One host copy of the
+        whole block, then per step a device copy into the graph's inputs and a replay.
+        -> (k, n, 2) [argmax, argmax is valid] of every step on the device, read at the
+        step's one sync. Call inside the step's `guarded` context."""
+        k, n = slots.shape
+        b = self.bucket(n)
+        if self.chain is None or self.chain[0].shape[0] < k:
+            host = torch.zeros(k, *self.host.shape, dtype=torch.int64)
+            self.chain = (host.pin_memory() if self.capture else host,
+                          torch.zeros(k, *self.dev.shape, dtype=torch.int64, device=self.device),
+                          torch.zeros(k, self.dev.shape[1], 2, dtype=torch.int64,
+                                      device=self.device))
+        host, dev, out = (x[:k] for x in self.chain)
+        h = host.numpy()
+        h[:, :, n:b] = 0                                  # padding rows: row 0, slot 0
+        h[:, 0, :n] = ids                                 # steps >= 1: overwritten below
+        h[:, 1, :n] = np.asarray(positions)[None, :] + np.arange(k)[:, None]
+        h[:, 2, :n] = rows
+        h[:, 3, :n] = slots
+        self._check_chain_slots(h[:, 3, :b])
+        dev.copy_(host, non_blocking=True)
+        for j in range(k):
+            self.dev.copy_(dev[j])
+            if j:
+                self.dev[0, :n].copy_(out[j - 1, :n, 0])
+            _, greedy = self._replay(b)
+            out[j, :b].copy_(greedy)
+        return out[:, :n]
+
+    def _check_chain_slots(self, slots: np.ndarray) -> None:
+        """The graph's guarded store reports a bad slot by reading the input buffer at the
+        sync, which after a chain holds its last step's slots only: so a chain's write slots
+        are checked here, on the host, before any step runs (the guards stay on inside)."""
+        limit = self.backend.kv_pool.size_limit
+        bad = (slots < 0) | (slots >= limit)
+        if bad.any():
+            raise KVIndexError("decode chain out_cache_loc", int(slots[bad][0]), limit,
+                               int(bad.sum()), slots.size)
 
 
 class VerifyGraphs(CapturedForwards):

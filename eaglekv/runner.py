@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from eaglekv.core import ForwardBatch, StepPlan, StepResult
+from eaglekv.errors import OutOfKVMemoryError
 from eaglekv.kernels.guard import kv_guard
 from eaglekv.sampling import sample_requests
 
@@ -44,11 +45,14 @@ class ModelRunner:
 
     separate_decode = False        # a decode is an extend by one token
 
-    def __init__(self, res: RunnerResources, graphs=None):
+    def __init__(self, res: RunnerResources, graphs=None, decode_steps: int = 1):
         """`graphs`: captured decode forwards (cuda_graph.DecodeGraphs), replayed for every
-        step whose requests all extend by one token; None runs every step eagerly."""
+        step whose requests all extend by one token; None runs every step eagerly.
+        `decode_steps` (EngineConfig.num_scheduler_steps): a greedy graph step decodes up to
+        that many tokens per request in one engine step (`run_chain`)."""
         self.res = res
         self.graphs = graphs
+        self.decode_steps = decode_steps
 
     def step_pages(self, kv_len: int) -> int:
         """Pages a running request may take in its next step: one token, at most one page."""
@@ -70,20 +74,88 @@ class ModelRunner:
 
     def run_graph(self, plan: StepPlan, done: list[int] | None = None) -> StepResult:
         """A decode step (one token per request) as one replay of the captured forward; the
-        requests of `done` sample (default: `plan.sampling`)."""
+        requests of `done` sample (default: `plan.sampling`). A batch that picks greedily
+        inside the graph decodes a chain of up to `decode_steps` tokens (`run_chain`)."""
         slots = torch.cat(plan.slots).numpy()
+        done = plan.sampling if done is None else done
+        in_graph = len(done) == len(plan.reqs) and all(
+            r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
+            for r in plan.reqs)
+        if in_graph and self.decode_steps > 1:
+            chain = self.run_chain(plan, slots)
+            if chain is not None:
+                return chain
         logits, greedy = self.graphs.replay([x[0] for x in plan.ids], plan.prefix_lens,
                                             [r.row for r in plan.reqs], slots)
-        done = plan.sampling if done is None else done
-        if len(done) == len(plan.reqs) and all(
-                r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
-                for r in plan.reqs):   # picked inside the graph: the step's sync reads them
+        if in_graph:              # picked inside the graph: the step's sync reads them
             result = StepResult.empty(len(plan.reqs))
             for i, (t, ok) in enumerate(greedy.tolist()):
                 result.failed[i] = not ok
                 result.tokens[i] = [t] if ok else None
             return result
         return self.sample(plan, done, logits if len(done) == len(plan.reqs) else logits[done])
+
+    def run_chain(self, plan: StepPlan, slots) -> StepResult | None:
+        """Multi-step decode (vLLM's multi-step scheduling): k greedy steps in one engine step,
+        the graph replayed k times with each step's argmax fed to the next on the device and
+        one sync at the end, so the host's per-step work (schedule, copies, commit) is paid
+        once per k tokens. k is the smallest budget left in the batch (max_new_tokens, which
+        also keeps every position inside max_context_len) capped at `decode_steps`, and
+        shorter when the pool has fewer free slots. Lossless: each step is the same greedy
+        replay as a single step; a request that stops (EOS, stop id or string) inside the
+        chain keeps its tokens up to the stop (the scheduler's stop rules), the rest is
+        dropped and its slots are freed with the request. None: a chain of one (no room or
+        no budget), run as a plain step."""
+        reqs = plan.reqs
+        k = min(self.decode_steps,
+                min(r.params.max_new_tokens - len(r.output_ids) for r in reqs))
+        extra = self._alloc_chain(reqs, k - 1)                 # (n,) slots of steps 1 .. k-1
+        if not extra:
+            return None
+        k = 1 + len(extra)
+        n = len(reqs)
+        chain_slots = torch.stack([torch.from_numpy(slots)] + extra)               # (k, n)
+        # req_to_token entries of positions kv_len .. kv_len + k - 2, in one copy
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
+        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        where = torch.stack([rows.repeat(k - 1),
+                             (cols[None, :] + torch.arange(k - 1)[:, None]).reshape(-1),
+                             chain_slots[1:].reshape(-1)]).to(self.res.device)      # (3, m)
+        self.res.req_to_token.req_to_token[where[0], where[1]] = where[2].to(torch.int32)
+        out = self.graphs.replay_chain([x[0] for x in plan.ids], plan.prefix_lens,
+                                       rows.tolist(), chain_slots.numpy()).tolist()  # the sync
+        result = StepResult(tokens=[None] * n, logprobs=[None] * n, failed=[False] * n,
+                            kv_advance=[0] * n, last_slots=[-1] * n)
+        free = []
+        for i in range(n):
+            toks = []
+            for j in range(k):
+                t, ok = out[j][i]
+                if not ok:
+                    break
+                toks.append(t)
+            result.tokens[i] = toks or None
+            if len(toks) < k:   # step len(toks)'s logits were unusable: it fails alone after
+                result.failed[i] = True          # the tokens before it; its chain slots go back
+                free.append(chain_slots[1:, i])
+            else:
+                result.kv_advance[i], result.last_slots[i] = k - 1, int(chain_slots[-1, i])
+        result.free_slots = torch.cat(free) if free else None
+        return result
+
+    def _alloc_chain(self, reqs, m: int) -> list[torch.Tensor]:
+        """Up to m more decode slots per request (one allocator call per step, all requests
+        at once), fewer when the pool runs out: a chain never preempts."""
+        alloc, out = self.res.allocator, []
+        kv, last = [r.kv_len for r in reqs], [r.last_slot for r in reqs]
+        for _ in range(m):
+            try:
+                s = alloc.alloc_decode(kv, last)
+            except OutOfKVMemoryError:
+                break
+            out.append(s)
+            kv, last = [x + 1 for x in kv], s.tolist()
+        return out
 
     def extend_batch(self, plan: StepPlan) -> ForwardBatch:
         return ForwardBatch.build(plan.ids, plan.prefix_lens, [r.row for r in plan.reqs],

@@ -29,6 +29,7 @@ from eaglekv.engine import Engine
 
 PROMPT = "Write a short story about a robot who learns to paint."
 MODES = {"plain": None,
+         "plain_1step": None,     # num_scheduler_steps=1: one sync a token (before the chains)
          "eagle_chain_S1K1N2": dict(num_steps=1, topk=1, num_draft_tokens=2),
          "eagle_chain_S3K1N4": dict(num_steps=3, topk=1, num_draft_tokens=4),
          "eagle_chain_S5K1N6": dict(num_steps=5, topk=1, num_draft_tokens=6),
@@ -48,7 +49,8 @@ def make_engine(args, mode: str, max_batch: int) -> Engine:
     return Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                max_running_requests=max_batch,
                                max_total_tokens=max_batch * (args.new_tokens + 64) + 4096,
-                               speculative=sc, disable_cuda_graph=args.disable_cuda_graph))
+                               speculative=sc, disable_cuda_graph=args.disable_cuda_graph,
+                               num_scheduler_steps=1 if mode == "plain_1step" else None))
 
 
 def prompts(engine: Engine, B: int) -> list[list[int]]:
@@ -72,17 +74,20 @@ def timed_generate(engine: Engine, ps: list[list[int]], n: int) -> tuple[float, 
 
 def step_profile(engine: Engine, ps: list[list[int]], steps: int = 5) -> dict:
     """Kernels and device time per engine step while every request decodes."""
-    params = SamplingParams(max_new_tokens=64, ignore_eos=True)   # the profile takes ~15 steps
+    params = SamplingParams(max_new_tokens=160, ignore_eos=True)  # ~13 steps, 8 tokens each
     reqs = [engine.add_request(p, params) for p in ps]
     while any(len(r.output_ids) < 3 for r in reqs):
         engine.step()
-    walls = []
+    walls, made = [], sum(len(r.output_ids) for r in reqs)
     for _ in range(steps):
         sync()
         t = time.perf_counter()
         engine.step()
         sync()
         walls.append(time.perf_counter() - t)
+    # tokens per request per step: 1 for a plain step, k for a decode chain, the accept
+    # length for a speculative step
+    per_step = (sum(len(r.output_ids) for r in reqs) - made) / len(reqs) / steps
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
         for _ in range(steps):
@@ -95,7 +100,8 @@ def step_profile(engine: Engine, ps: list[list[int]], steps: int = 5) -> dict:
     return {"kernels_per_step": len(kernels) / steps,
             "kernels_per_target_layer": len(kernels) / steps / layers,
             "device_ms_per_step": sum(e.device_time for e in kernels) / 1e3 / steps,
-            "host_wall_ms_per_step": 1e3 * statistics.median(walls)}
+            "host_wall_ms_per_step": 1e3 * statistics.median(walls),
+            "tokens_per_request_per_step": per_step}
 
 
 def run_modes(args, modes: list[str], batches: list[int]) -> dict:

@@ -68,8 +68,11 @@ class Scheduler:
         if result.free_slots is not None and result.free_slots.numel():
             self.allocator.free(result.free_slots)
         for i, r in enumerate(plan.reqs):
-            if result.failed[i]:            # its distribution was unusable: it fails alone
-                r.fail_sampling()
+            if result.failed[i]:            # its distribution was unusable: it fails alone,
+                if result.tokens[i]:        # after the tokens it made before (a decode chain)
+                    r.append_tokens(result.tokens[i])
+                if not r.finished:
+                    r.fail_sampling()
                 continue
             if result.kv_advance is not None:
                 r.kv_len += result.kv_advance[i]

@@ -1,0 +1,166 @@
+"""Multi-step decode (`num_scheduler_steps`): k greedy steps per engine step, the argmax fed
+back on the device, one sync. Checked on CPU through DecodeGraphs' static buffers with
+`capture=False` under the Triton interpreter (the GPU tests replay the real graphs): tokens
+equal to single-step decoding, stops inside a chain, a short pool, a request whose logits
+go bad mid-chain, a bad chain slot refused before anything is written, and the books
+balanced after every step."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"   # before triton and the kernel modules are imported
+pytest.importorskip("triton")
+
+from eaglekv import ConfigError, EngineConfig, KVIndexError, SamplingParams  # noqa: E402
+from eaglekv.cuda_graph import DecodeGraphs  # noqa: E402
+from helpers import tiny_engine  # noqa: E402
+
+PROMPTS = [[5, 17, 42], list(range(1, 12)), [9] * 7]
+pytestmark = [] if not ON_GPU else pytest.mark.skip("the GPU tests capture the real graphs")
+
+
+@pytest.fixture(autouse=True)
+def _interpret_only_here(monkeypatch):
+    monkeypatch.setenv("EAGLEKV_TRITON_ON_CPU", "1")
+
+
+def chain_engine(tiny_dir, steps: int, **options):
+    options.setdefault("max_running_requests", 4)
+    engine = tiny_engine(tiny_dir, attention_backend="triton", **options)
+    engine.runner.graphs = DecodeGraphs(engine.model, engine.backend,
+                                        engine.config.max_running_requests,
+                                        engine.max_context_len, progress=False, capture=False)
+    engine.runner.decode_steps = steps
+    return engine
+
+
+def run_checked(engine, prompts, params):
+    """generate(), checking the books between steps; -> (outputs, engine steps)."""
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    steps = 0
+    while engine.scheduler.has_unfinished():
+        engine.step()
+        engine.check_memory()
+        steps += 1
+    assert engine.allocator.is_full()
+    return reqs, steps
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    return [o.token_ids for o in tiny_engine(tiny_dir, max_running_requests=4).generate(
+        PROMPTS, sp)]
+
+
+def test_config():
+    assert EngineConfig().decode_steps == 1                     # CPU: no graphs, no chains
+    assert EngineConfig(num_scheduler_steps=4).decode_steps == 4
+    with pytest.raises(ConfigError, match="num_scheduler_steps=0 must be an int >= 1"):
+        EngineConfig(num_scheduler_steps=0)
+
+
+@pytest.mark.parametrize("steps,page_size", [(8, 1), (3, 4)])
+def test_chain_equals_single_steps(tiny_dir, reference, steps, page_size):
+    """Different budgets per request (the chain shrinks to the smallest left), batch 3 in
+    the 4-row bucket, then fewer rows as requests finish: the same tokens, fewer steps."""
+    engine = chain_engine(tiny_dir, steps, page_size=page_size)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 5, 9)]
+    reqs, nsteps = run_checked(engine, PROMPTS, params)
+    assert [r.output_ids for r in reqs] == [ref[:p.max_new_tokens]
+                                            for ref, p in zip(reference, params)]
+    assert [r.finish_reason for r in reqs] == ["length"] * 3
+    assert nsteps < 12                     # one step a token: 12 (the prefill samples one)
+
+
+def test_stop_inside_a_chain(tiny_dir, reference):
+    """A stop id emitted mid-chain: the output ends at it (finish_reason stop), the tokens the
+    chain decoded after it are dropped and their slots freed; the others go on."""
+    stop = reference[1][5]
+    first = reference[1].index(stop)
+    engine = chain_engine(tiny_dir, 8)
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True),
+              SamplingParams(max_new_tokens=12, ignore_eos=True, stop_token_ids=[stop]),
+              SamplingParams(max_new_tokens=12, ignore_eos=True)]
+    reqs, _ = run_checked(engine, PROMPTS, params)
+    assert reqs[1].output_ids == reference[1][:first + 1]
+    assert reqs[1].finish_reason == "stop"
+    assert [reqs[0].output_ids, reqs[2].output_ids] == [reference[0], reference[2]]
+
+
+def test_short_pool_shortens_the_chain(tiny_dir, reference):
+    """Fewer free slots than a whole chain needs: the chain takes what there is (it never
+    preempts) and the output is unchanged."""
+    engine = chain_engine(tiny_dir, 8, max_total_tokens=40, max_running_requests=3)
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    reqs, _ = run_checked(engine, PROMPTS, [sp] * 3)
+    assert [r.output_ids for r in reqs] == reference
+
+
+def test_bad_logits_mid_chain_fail_one_request(tiny_dir, reference):
+    """Request 1's argmax turns unusable at the 3rd step of a chain: it fails alone with the
+    tokens it made before, its chain slots go back; the others are unchanged."""
+    engine = chain_engine(tiny_dir, 4)
+    graphs = engine.runner.graphs
+    forward, calls = graphs._forward, []
+
+    def poisoned(b):
+        logits, greedy = forward(b)
+        calls.append(b)
+        if len(calls) == 3:
+            greedy[1, 1] = 0                     # "argmax not valid" for row 1
+        return logits, greedy
+    graphs._forward = poisoned
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    reqs = [engine.add_request(p, sp) for p in PROMPTS]
+    while not calls:                             # the prefill, then the first chain
+        engine.step()
+        engine.check_memory()
+    assert reqs[1].finish_reason == "error"
+    assert reqs[1].output_ids == reference[1][:3]   # prefill's token + 2 chain steps
+    while engine.scheduler.has_unfinished():
+        engine.step()
+        engine.check_memory()
+    assert [reqs[0].output_ids, reqs[2].output_ids] == [reference[0][:12], reference[2][:12]]
+    assert engine.allocator.is_full()
+
+
+def test_bad_chain_slot_is_refused(tiny_dir, reference):
+    """A chain step's slot past the pool: KVIndexError naming the chain's out_cache_loc and
+    the value, raised before any replay (nothing written); the engine serves the next
+    request exactly."""
+    engine = chain_engine(tiny_dir, 4, max_total_tokens=256)
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    reqs = [engine.add_request(p, sp) for p in PROMPTS[:2]]
+    engine.step()                                           # the prefill
+    limit = engine.kv_pool.size_limit
+    real = engine.allocator.alloc_decode
+    state = {"calls": 0}
+
+    def bad(seq_lens, last_slots):
+        s = real(seq_lens, last_slots)
+        state["calls"] += 1
+        if state["calls"] == 2:                             # the chain's second step
+            engine.allocator.free(s[1:])
+            return torch.cat([s[:1], torch.full_like(s[1:], limit + 3)])
+        return s
+    engine.allocator.alloc_decode = bad
+    before = engine.kv_pool.kv.clone()
+    replays = engine.runner.graphs.replays
+    with pytest.raises(KVIndexError, match=rf"slot {limit + 3} out of range \[0, {limit}\) "
+                                           r"in decode chain out_cache_loc"):
+        engine.step()
+    assert engine.runner.graphs.replays == replays          # refused before the first replay
+    assert torch.equal(engine.kv_pool.kv, before)
+    engine.allocator.alloc_decode = real
+    assert all(r.finished for r in reqs)
+    assert engine.allocator.is_full()
+    engine.check_memory()
+    out = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert out[0].token_ids == reference[0]
