@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglekv.core import ForwardBatch
-from eaglekv.kernels.guard import guard_indices
+from eaglekv.kernels.guard import guard_segments
 from eaglekv.memory import KVPool, ReqToTokenPool
 from eaglekv.model.rope import RotaryEmbedding
 
@@ -74,7 +74,7 @@ class TorchAttentionBackend(AttentionBackend):
         valid_key = key_pos[None, :] < seq[:, None]                      # (B, Smax)
         kv_idx = torch.where(valid_key, kv_idx, torch.zeros_like(kv_idx))
         # guarded read: CPU raises now; CUDA records the error (no sync) and reads slot 0 instead
-        kv_idx = guard_indices(kv_idx, self.kv_pool.size_limit, "attention kv gather")
+        kv_idx = self.kv_pool.guard_reads(kv_idx)
         tok_b = torch.repeat_interleave(torch.arange(B, device=dev), batch.extend_lens,
                                         output_size=batch.num_tokens)
         starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
@@ -115,7 +115,8 @@ class TorchAttentionBackend(AttentionBackend):
         lens = torch.tensor(kv_lens, device=dev)                          # (n,)
         key_pos = torch.arange(s_max, device=dev)
         valid = key_pos[None, :] < lens[:, None]                          # (n, Smax)
-        flat = kv_indptr[:n, None].to(torch.int64) + key_pos[None, :]     # (n, Smax)
+        starts = guard_segments(kv_indptr[:n], kv_lens, kv_indices.shape[0], "draft kv_indptr")
+        flat = starts[:, None].to(torch.int64) + key_pos[None, :]         # (n, Smax)
         flat = torch.where(valid, flat, torch.zeros_like(flat))
         return self.padded_decode_metadata(kv_indices[flat].to(torch.int64), valid, out_cache_loc)
 
@@ -124,7 +125,7 @@ class TorchAttentionBackend(AttentionBackend):
         """One query token per row i, attending to the slots `kv_idx[i, valid[i]]`
         (kv_idx, valid: (n, Smax)); every slot read is guarded."""
         kv_idx = torch.where(valid, kv_idx, torch.zeros_like(kv_idx))
-        kv_idx = guard_indices(kv_idx, self.kv_pool.size_limit, "attention kv gather")
+        kv_idx = self.kv_pool.guard_reads(kv_idx)
         n = kv_idx.shape[0]
         ar = torch.arange(n, device=kv_idx.device)
         return TorchAttnMetadata(batch=None, kv_idx=kv_idx, tok_b=ar, tok_t=torch.zeros_like(ar),

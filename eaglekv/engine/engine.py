@@ -10,6 +10,7 @@ operation, "extend by n on a cached prefix".
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Hashable, Iterator, Sequence
 
 import torch
@@ -97,6 +98,9 @@ class Engine:
                                    self.device)
         self._rids = itertools.count()
         self._seeds = torch.Generator().manual_seed(cfg.seed)
+        self.owners = None        # the ownership checked mode (check_ownership), off
+        if os.environ.get("EAGLEKV_CHECK_OWNERSHIP") == "1":
+            self.check_ownership()
 
     def _decode_graphs(self, res: RunnerResources):
         """The plain runner's captured decode steps (CUDA, unless disabled), else None."""
@@ -173,8 +177,12 @@ class Engine:
         if not plan.reqs:
             return []
         try:
+            if self.owners is not None:   # checked mode: rows hold only their own slots
+                self.owners.begin_step(self.running, plan)
             result = self.runner.run(plan)
         except KVIndexError:
+            if self.owners is not None:   # a release then frees only the request's own
+                self.owners.scrub(plan.reqs)
             self.scheduler.fail(plan)
             raise
         return self.scheduler.commit(plan, result)
@@ -217,6 +225,16 @@ class Engine:
             delta = req.stream_delta()
             if delta is not None:
                 yield delta
+
+    def check_ownership(self, on: bool = True) -> None:
+        """The ownership checked mode (memory/ownership.py; EAGLEKV_CHECK_OWNERSHIP=1 at
+        start): a step may write, move and free only slots handed out to it or committed to
+        its own requests, else KVOwnershipError (a KVIndexError: the step fails alone).
+        For tests and debugging; switch it between steps."""
+        from eaglekv.memory.ownership import attach, kv_pools
+        self.owners = attach(self.allocator, self.req_to_token,
+                             kv_pools([self.kv_pool, self.runner]), self.kv_pool,
+                             lenient_drafts=self.config.speculative.adaptive, on=on)
 
     def check_memory(self) -> None:
         """Raise unless the books balance (between steps): every slot in use is referenced by

@@ -172,3 +172,45 @@ def guard_indices(indices: torch.Tensor, limit: int, op: str, layer: int | None 
     safe = torch.where(bad, torch.zeros_like(flat), flat).view(indices.shape)
     guard.after_launch()
     return safe
+
+
+def guard_segments(starts: torch.Tensor, lens: tuple[int, ...], width: int,
+                   op: str) -> torch.Tensor:
+    """Offsets of n packed segments into a buffer of `width` entries (a draft step's
+    kv_indptr into its kv_indices row): segment i is `[starts[i], starts[i] + lens[i])` and
+    starts at `sum(lens[:i])`, the end of the one before; an offset anywhere else reads
+    another branch's slots or past the buffer. CPU: checked at once (`KVIndexError` naming
+    the first wrong offset and where it had to be); CUDA: the range alone, through the device
+    error buffer (no sync)."""
+    n = len(lens)
+    if not starts.is_cuda:
+        want = 0
+        for i, s in enumerate(starts[:n].tolist()):
+            if s != want or want + lens[i] > width:
+                raise KVIndexError(f"{op} (segment {i} of {n} starts at {want})", s,
+                                   want + 1 if want + lens[i] <= width else width, 1, n,
+                                   low=want)
+            want += lens[i]
+        return starts
+    return guard_indices(starts, max(width - max(lens, default=0) + 1, 1), op)
+
+
+def guard_path(path: torch.Tensor, parent: torch.Tensor, op: str) -> torch.Tensor:
+    """An accepted path (B, S+1) of tree node indices (-1 past the accepted depth) whose nodes
+    address the verify window: each entry in [-1, N), and on CPU also a chain (a node at depth
+    d is a child of the node at depth d-1; -1 only after the last accepted node), else
+    `KVIndexError` naming the node; parent (B, N) is the tree's parent table."""
+    N = parent.shape[1]
+    path = guard_indices(path, N, op, low=-1)
+    if path.is_cuda:
+        return path
+    prev, cur = path[:, :-1], path[:, 1:]                                       # (B, S)
+    par = parent.gather(1, cur.clamp(min=0))                                    # (B, S)
+    bad = (cur >= 0) & ((prev < 0) | (par != prev))
+    if bool(bad.any()):
+        b, d = (int(x) for x in bad.nonzero()[0])
+        node = int(cur[b, d])
+        raise KVIndexError(f"{op}: node {node} at depth {d + 1} of request {b} is not a "
+                           f"child of the node at depth {d} ({int(prev[b, d])})", node, N,
+                           int(bad.sum()), cur.numel(), low=-1)
+    return path

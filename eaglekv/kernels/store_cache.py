@@ -15,6 +15,12 @@ import torch
 from eaglekv.kernels.guard import check_indices
 
 
+# The ownership checked mode (memory/ownership.py): a cache's storage data_ptr -> a check
+# run on the indices of every CPU store into it, after the range check, before the write.
+# Empty (one dict test per store) unless a KVPool is watched.
+WRITE_CHECKS: dict = {}
+
+
 def default_num_split(row_bytes: int) -> int:
     """How many workers share one row: 4 if row_bytes % 2048 == 0, 2 if % 1024 == 0, else 1."""
     if row_bytes % 2048 == 0:
@@ -74,6 +80,10 @@ def store_cache_torch(k, v, k_cache, v_cache, indices, *, row_bytes: int = 0, nu
     if indices.numel() == 0:
         return
     check_indices(indices, limit, "store_cache")
+    if WRITE_CHECKS:
+        check = WRITE_CHECKS.get(k_cache.untyped_storage().data_ptr())
+        if check is not None:
+            check(indices)
     idx = indices.reshape(-1).to(torch.int64)
     kc2.index_copy_(0, idx, k2)
     vc2.index_copy_(0, idx, v2)

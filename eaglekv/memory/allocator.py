@@ -31,6 +31,7 @@ class SlotAllocator:
         self._free_pages: list[int] = list(range(1, self.num_pages + 1))
         self._used = torch.zeros(size + page_size, dtype=torch.bool)       # per slot
         self._page_count = torch.zeros(self.num_pages + 1, dtype=torch.int64)  # used slots per page
+        self.owners = None     # memory/ownership.SlotOwners in the checked mode, else None
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -89,6 +90,8 @@ class SlotAllocator:
             slots[in_last:] = page_slots[:rest]
         self._used[slots] = True
         self._page_count.index_add_(0, slots // ps, torch.ones_like(slots))
+        if self.owners is not None:
+            self.owners.on_alloc(slots)
         return slots
 
     def alloc_decode(self, seq_lens: list[int], last_slots: list[int]) -> torch.Tensor:
@@ -121,6 +124,8 @@ class SlotAllocator:
             slots[fresh] = pages * ps
         self._used[slots] = True
         self._page_count.index_add_(0, slots // ps, torch.ones_like(slots))
+        if self.owners is not None:
+            self.owners.on_alloc(slots)
         return slots
 
     def free(self, slots: torch.Tensor) -> None:
@@ -140,6 +145,8 @@ class SlotAllocator:
         not_used = ~self._used[slots]
         if not_used.any():
             raise AllocatorError(f"double free: slot {slots[not_used][0].item()} is not in use")
+        if self.owners is not None:
+            self.owners.on_free(slots)
         self._used[slots] = False
         pages = slots // ps
         self._page_count.index_add_(0, pages, -torch.ones_like(slots))

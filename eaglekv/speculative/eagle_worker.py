@@ -20,6 +20,7 @@ import warnings
 import torch
 
 from eaglekv.core import ForwardBatch, SpecStats, StepPlan, StepResult
+from eaglekv.kernels.guard import guard_path
 from eaglekv.runner import ModelRunner, RunnerResources, guarded
 from eaglekv.sampling import apply_penalties, token_logprobs, valid_argmax, valid_probs
 from eaglekv.speculative.accept import greedy_accept, sample_accept
@@ -207,6 +208,7 @@ class EagleWorker:
             gens = [r.generator for r in reqs]
             res = sample_accept(tree, p, uniform_noise(gens, N, dev),
                                 exponential_noise(gens, p.shape[-1], dev), S)
+        res.path = guard_path(res.path, tree.parent, "tree retrieve (accepted node)")
         committed = res.committed_tokens(tree)                                    # (B, S + 1)
         # 4. commit on the device: accepted node at depth j -> position L_b + j (slot j)
         P = min(S, N - 1)

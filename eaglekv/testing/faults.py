@@ -1,0 +1,287 @@
+"""Fault injection for the reliability suite (tests and benches only; nothing here is imported
+by the engine, so it costs nothing when unused).
+
+`inject(engine, path, kind, ...)` corrupts one index on one path that turns an index into an
+address, for the next engine step, by wrapping one method of that engine's own objects (an
+instance attribute, removed on exit) or, for req_to_token, by writing the table directly:
+
+    path                 where the bad index goes                       limit
+    store_cache          the target's K/V store slots (out_cache_loc)    pool size_limit
+    move_kv              the commit's target row move, dst              pool size_limit
+    req_to_token         a running request's committed table entry      pool size_limit
+    draft_out_cache_loc  the draft's write slot of draft step 0         pool size_limit
+    draft_kv_indices     step 0's kv_indices entry (a slot the draft reads)  pool size_limit
+    draft_kv_indptr      step 0's kv_indptr entry of branch 1 (an offset into kv_indices)
+                                                                        kv_indices width
+    tree_retrieve        the accepted path's node at depth 1             num_draft_tokens
+    graph_padded_rows    a padded row's slot in DecodeGraphs' static buffers  pool size_limit
+
+    kind      value
+    negative  -1 (-2 for tree_retrieve, whose -1 means "not accepted")
+    limit     the limit itself (one past the last valid index)
+    huge      2**31 - 1
+    foreign   a valid index that belongs to another request (a slot of its committed KV;
+              draft_kv_indptr: the offset of another request's segment; tree_retrieve: a
+              node that is not a child of the root)
+
+`run_case` drives one case end to end on a CPU engine and returns what happened (`Outcome`).
+"""
+
+from __future__ import annotations
+
+import traceback
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from eaglekv.errors import KVIndexError
+
+PATHS = ("store_cache", "move_kv", "req_to_token", "draft_out_cache_loc", "draft_kv_indices",
+         "draft_kv_indptr", "tree_retrieve", "graph_padded_rows")
+KINDS = ("negative", "limit", "huge", "foreign")
+HUGE = 2**31 - 1
+SPECULATIVE_PATHS = {"move_kv", "draft_out_cache_loc", "draft_kv_indices", "draft_kv_indptr",
+                     "tree_retrieve"}
+
+
+@dataclass
+class Fault:
+    path: str
+    kind: str
+    limit: int = 0
+    value: int | None = None     # the corrupt index, once written
+    fired: int = 0
+
+
+def bad_value(kind: str, limit: int, foreign: int, low: int = 0) -> int:
+    """`low`: the least valid index (-1 where -1 means "none", as in an accepted path)."""
+    return {"negative": low - 1, "limit": limit, "huge": HUGE, "foreign": foreign}[kind]
+
+
+def _wrap(obj, name: str, make, undo: list) -> None:
+    """obj.name = make(original) as an instance attribute, deleted again by undo."""
+    orig = getattr(obj, name)
+    setattr(obj, name, make(orig))
+    undo.append(lambda: delattr(obj, name))
+
+
+@contextmanager
+def inject(engine, path: str, kind: str, target=None, foreign_slot: int = 0):
+    """Corrupt one index of `path` in the next step (one-shot). `target`: the request whose
+    table entry is corrupted (req_to_token); `foreign_slot`: a committed slot of another
+    request (kind "foreign"). Yields the Fault (value and fired filled in when it fires)."""
+    if path not in PATHS or kind not in KINDS:
+        raise ValueError(f"unknown fault {path!r} x {kind!r}")
+    pool = engine.kv_pool
+    f = Fault(path, kind, limit=pool.size_limit)
+    undo: list = []
+
+    def fire(value: int) -> int:
+        f.value, f.fired = int(value), f.fired + 1
+        return f.value
+
+    try:
+        if path == "store_cache":
+            def make(orig):
+                def set_kv_buffer(layer, loc, k, v):
+                    if not f.fired:
+                        loc = loc.clone()
+                        loc.view(-1)[0] = fire(bad_value(kind, f.limit, foreign_slot))
+                    return orig(layer, loc, k, v)
+                return set_kv_buffer
+            _wrap(pool, "set_kv_buffer", make, undo)
+        elif path == "move_kv":
+            def make(orig):
+                def move_kv(dst, src):
+                    if not f.fired:
+                        dst = dst.clone()
+                        dst.view(-1)[0] = fire(bad_value(kind, f.limit, foreign_slot))
+                    return orig(dst, src)
+                return move_kv
+            _wrap(pool, "move_kv", make, undo)
+        elif path == "req_to_token":
+            r2t = engine.req_to_token.req_to_token
+            r2t[target.row, 1] = fire(bad_value(kind, f.limit, foreign_slot))
+        elif path in ("draft_out_cache_loc", "draft_kv_indices", "draft_kv_indptr"):
+            slots = engine.runner.slots
+            if path == "draft_kv_indptr":
+                f.limit = slots.kv_indices.shape[1]
+
+            def make(orig):
+                def prepare_draft(reqs, rows, seq_lens):
+                    d = orig(reqs, rows, seq_lens)
+                    if f.fired:
+                        return d
+                    if path == "draft_out_cache_loc":
+                        d.slots.view(-1)[0] = fire(bad_value(kind, f.limit, foreign_slot))
+                    elif path == "draft_kv_indices":
+                        slots.kv_indices[0, 0] = fire(bad_value(kind, f.limit, foreign_slot))
+                    else:   # branch 1's offset; foreign: the segment of the last request
+                        other = int(slots.kv_indptr[0, (len(reqs) - 1) * slots.K])
+                        slots.kv_indptr[0, 1] = fire(bad_value(kind, f.limit, other))
+                    return d
+                return prepare_draft
+            _wrap(slots, "prepare_draft", make, undo)
+        elif path == "tree_retrieve":
+            import eaglekv.speculative.eagle_worker as ew
+            f.limit = engine.runner.N
+            for name in ("greedy_accept", "sample_accept"):
+                orig = getattr(ew, name)
+
+                def accept(tree, *args, _orig=orig):
+                    res = _orig(tree, *args)
+                    if not f.fired:   # foreign: a node whose parent is not the root
+                        deep = (tree.parent[0] > 0).nonzero()
+                        other = int(deep[0]) if deep.numel() else 0
+                        res.path[0, 1] = fire(bad_value(kind, f.limit, other, low=-1))
+                    return res
+                setattr(ew, name, accept)
+                undo.append(lambda _n=name, _o=orig: setattr(ew, _n, _o))
+        elif path == "graph_padded_rows":
+            graphs = engine.runner.graphs
+
+            def make(orig):
+                def _replay(b):
+                    pad = (graphs.dev[2, :b] == 0).nonzero()     # rows 0: the padded ones
+                    if not f.fired and pad.numel():
+                        graphs.dev[3, int(pad[0])] = fire(bad_value(kind, f.limit,
+                                                                    foreign_slot))
+                    return orig(b)
+                return _replay
+            _wrap(graphs, "_replay", make, undo)
+        yield f
+    finally:
+        for u in reversed(undo):
+            u()
+
+
+# ---- one case, end to end --------------------------------------------------------------------
+@dataclass
+class Outcome:
+    path: str
+    kind: str
+    value: int | None = None
+    limit: int = 0
+    fired: bool = False
+    raised: str = ""             # exception class, "" if none
+    op: str = ""                 # the path the error names
+    names_value: bool = False    # the error carries the corrupt value
+    nothing_written: bool = False   # canaries and every request's committed K/V unchanged
+    serving: bool = False        # the next request equals its reference, books balanced
+    detail: str = ""
+    ownership_mode: bool = False
+    errors: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return (self.fired and self.raised in ("KVIndexError", "KVOwnershipError",
+                                               "ConfigError")
+                and self.names_value and self.nothing_written and self.serving)
+
+    @property
+    def cell(self) -> str:
+        if self.ok:
+            return "refused, nothing written, engine serving"
+        parts = [f"raised {self.raised}" if self.raised else "NOT refused"]
+        parts.append("nothing written" if self.nothing_written else "WRITTEN")
+        parts.append("engine serving" if self.serving else "engine NOT serving")
+        return ", ".join(parts)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(ok=self.ok, cell=self.cell)
+        return d
+
+
+def _pools(engine) -> list:
+    from eaglekv.memory.ownership import kv_pools
+    return kv_pools([engine.kv_pool, engine.runner])
+
+
+def _committed(engine) -> torch.Tensor:
+    r2t = engine.req_to_token.req_to_token
+    rows = [r2t[r.row, :r.kv_len].to("cpu", torch.int64) for r in engine.running if r.kv_len]
+    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+
+
+def run_case(engine, path: str, kind: str, prompts: list[list[int]], refs: list[list[int]],
+             next_prompt: list[int], next_ref: list[int], params) -> Outcome:
+    """Start `prompts` (greedy, `params`), step until each has decoded two tokens, corrupt
+    one index of `path` (kind), run one step; then check what the error says, that no byte
+    outside the pools' valid rows and no committed K/V of any request changed, and that the
+    engine serves `next_prompt` exactly (`next_ref`) with its books balanced and every slot
+    free at the end. The ownership checked mode is on for kind "foreign" only."""
+    out = Outcome(path, kind, ownership_mode=kind == "foreign")
+    engine.check_ownership(kind == "foreign")
+    reqs = [engine.add_request(p, params) for p in prompts]
+    spec = engine.worker is not None
+    while any(len(r.output_ids) < 2 or (spec and r.draft_state is None) for r in reqs):
+        engine.step()
+        engine.check_memory()
+    victim, target = reqs[-1], reqs[0]
+    slots = _committed(engine)
+    pools = _pools(engine)
+    before = [(p.kv[:, :, slots].clone()) for p in pools]
+    foreign = int(engine.req_to_token.req_to_token[victim.row, 0])
+    try:
+        with inject(engine, path, kind, target=target, foreign_slot=foreign) as f:
+            engine.step()
+    except Exception as e:  # noqa: BLE001 - every outcome is recorded, the table judges
+        out.raised = type(e).__name__
+        out.detail = str(e)[:300]
+        if isinstance(e, KVIndexError):
+            out.op = e.op
+            out.names_value = e.first_bad == f.value and str(f.value) in str(e)
+        else:
+            out.errors.append(traceback.format_exc(limit=3)[-600:])
+    out.value, out.limit, out.fired = f.value, f.limit, bool(f.fired)
+    out.nothing_written = (all(p.canaries_intact() for p in pools)
+                           and all(torch.equal(b, p.kv[:, :, slots])
+                                   for b, p in zip(before, pools)))
+    try:
+        while engine.has_unfinished():   # whatever was not failed finishes
+            engine.step()
+        for r, ref in zip(reqs, refs):
+            if r.finish_reason != "error" and r.output_ids != ref:
+                raise AssertionError(f"a request that went on diverged: {r.output_ids} "
+                                     f"!= {ref}")
+        engine.check_memory()
+        got = engine.generate([next_prompt], params)[0].token_ids
+        if got != next_ref:
+            raise AssertionError(f"next request: {got} != {next_ref}")
+        engine.check_memory()
+        if not engine.allocator.is_full():
+            raise AssertionError("slots still in use after every request ended")
+        out.serving = True
+    except Exception as e:  # noqa: BLE001
+        out.errors.append(f"serving: {type(e).__name__}: {str(e)[:300]}")
+    finally:
+        engine.check_ownership(False)
+    return out
+
+
+def write_table(outcomes: list[Outcome], md_path, json_path, command: str, device: str) -> None:
+    """The path x corruption table, as markdown and JSON (with the date and the command)."""
+    import datetime
+    import json
+    from pathlib import Path
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    by = {(o.path, o.kind): o for o in outcomes}
+    lines = [f"Fault table ({device}, {date}); command: `{command}`", "",
+             "| path | " + " | ".join(KINDS) + " |", "|---|" + "---|" * len(KINDS)]
+    for p in PATHS:
+        cells = []
+        for k in KINDS:
+            o = by.get((p, k))
+            cells.append("not run" if o is None else
+                         (o.cell + (f" (`{o.op}`)" if o.op else "")))
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    ok = sum(o.ok for o in outcomes)
+    lines += ["", f"{ok} of {len(outcomes)} cells refused, nothing written, engine serving. "
+              "The foreign column runs with the ownership checked mode on; the others with "
+              "the always-on guards only."]
+    Path(md_path).write_text("\n".join(lines) + "\n")
+    Path(json_path).write_text(json.dumps(
+        {"date": date, "device": device, "command": command, "cells_ok": ok,
+         "cells": [o.as_dict() for o in outcomes]}, indent=1) + "\n")
