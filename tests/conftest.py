@@ -5,10 +5,25 @@ modules import those, never each other or this file."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from helpers import make_tiny
+
+
+@pytest.fixture(scope="session", autouse=True)
+def weight_cache_dir(tmp_path_factory):
+    """The weight and tokenizer cache (model/weight_cache.py) in a fresh directory per session,
+    never the user's; EAGLEKV_CACHE=off runs the whole session without a cache."""
+    if os.environ.get("EAGLEKV_CACHE") == "off":
+        yield None
+        return
+    path = tmp_path_factory.mktemp("eaglekv_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EAGLEKV_CACHE", str(path))
+        yield path
 
 
 @pytest.fixture(scope="session")

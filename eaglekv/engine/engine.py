@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Hashable, Iterator, Sequence
 
 import torch
@@ -45,8 +46,9 @@ class Engine:
         self.device = torch.device(cfg.device)
         if self.device.type == "cpu" and cpu_blas_threads():  # see model/llama.py
             torch.set_num_threads(cpu_blas_threads())
-        # 1. model and weights
-        ckpt = load_checkpoint(cfg.model)
+        # 1. model and weights (fused, memory-mapped from the weight cache after the first load)
+        ckpt = load_checkpoint(cfg.model, dtype=cfg.torch_dtype)
+        self.load_times = ckpt.load_times      # stage -> seconds, for the CLI
         self.model_config = mc = ckpt.config
         self.tokenizer = ckpt.tokenizer
         self.max_context_len = cfg.max_context_len or mc.max_position_embeddings
@@ -58,10 +60,12 @@ class Engine:
         if spec.enabled:  # guard 2 before anything is allocated
             kv_indices_width(hull, cfg.max_running_requests, self.max_context_len)
         # verify positions reach L + num_steps, past the last committed one
-        self.model = LlamaForCausalLM(mc, ckpt.state_dict, cfg.torch_dtype, self.device,
-                                      max_positions=self.max_context_len
-                                      + (hull.num_steps + 1 if spec.enabled else 0))
+        t0 = time.perf_counter()
+        self.model = LlamaForCausalLM.from_fused(mc, ckpt.state_dict, self.device,
+                                                 max_positions=self.max_context_len
+                                                 + (hull.num_steps + 1 if spec.enabled else 0))
         del ckpt
+        self.load_times["model build"] = time.perf_counter() - t0
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

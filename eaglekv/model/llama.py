@@ -61,29 +61,43 @@ def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None)
     return torch.addmm(bias, x, w_t) if bias is not None else x @ w_t
 
 
-class DecoderLayer:
-    """Weights of one layer, fused and stored (in, out): qkv (H, q+2kv), o (q, H),
-    gate_up (H, 2I), down (I, H)."""
+def fuse_layer(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One layer's Hugging Face tensors -> the engine's layout, stored (in, out): qkv
+    (H, q+2kv), o (q, H), gate_up (H, 2I), down (I, H). Entries of `w` are popped as they are
+    fused, so the caller's dict does not keep a second copy."""
+    H, Hkv = cfg.num_heads, cfg.num_kv_heads
+    f = {"post_norm": w.pop("post_attention_layernorm.weight")}
+    if "input_layernorm.weight" in w:   # absent: no input norm (EAGLE layer 0)
+        f["input_norm"] = w.pop("input_layernorm.weight")
+    # q/k rows go to the interleaved RoPE layout (see rope.py); v stays as it is
+    f["qkv"] = t(torch.cat([to_interleaved(w.pop("self_attn.q_proj.weight"), H),
+                            to_interleaved(w.pop("self_attn.k_proj.weight"), Hkv),
+                            w.pop("self_attn.v_proj.weight")], 0))
+    if cfg.attention_bias:
+        f["qkv_bias"] = torch.cat([to_interleaved(w.pop("self_attn.q_proj.bias"), H),
+                                   to_interleaved(w.pop("self_attn.k_proj.bias"), Hkv),
+                                   w.pop("self_attn.v_proj.bias")])
+    f["o"] = t(w.pop("self_attn.o_proj.weight"))
+    if cfg.qk_norm:
+        f["q_norm"] = to_interleaved(w.pop("self_attn.q_norm.weight"), 1)
+        f["k_norm"] = to_interleaved(w.pop("self_attn.k_norm.weight"), 1)
+    f["gate_up"] = t(torch.cat([w.pop("mlp.gate_proj.weight"), w.pop("mlp.up_proj.weight")], 0))
+    f["down"] = t(w.pop("mlp.down_proj.weight"))
+    return f
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor]):
+
+class DecoderLayer:
+    """Weights of one layer in the fused layout of `fuse_layer` (`fused=False`: Hugging Face
+    names, fused here)."""
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], fused: bool = False):
         self.cfg = cfg
-        self.input_norm = w.get("input_layernorm.weight")  # None: no input norm (EAGLE layer 0)
-        self.post_norm = w["post_attention_layernorm.weight"]
-        H, Hkv = cfg.num_heads, cfg.num_kv_heads
-        # q/k rows go to the interleaved RoPE layout (see rope.py); v stays as it is
-        self.qkv = t(torch.cat([to_interleaved(w["self_attn.q_proj.weight"], H),
-                                to_interleaved(w["self_attn.k_proj.weight"], Hkv),
-                                w["self_attn.v_proj.weight"]], 0))
-        self.qkv_bias = (torch.cat([to_interleaved(w["self_attn.q_proj.bias"], H),
-                                    to_interleaved(w["self_attn.k_proj.bias"], Hkv),
-                                    w["self_attn.v_proj.bias"]]) if cfg.attention_bias else None)
-        self.o = t(w["self_attn.o_proj.weight"])
-        self.q_norm = self.k_norm = None
-        if cfg.qk_norm:
-            self.q_norm = to_interleaved(w["self_attn.q_norm.weight"], 1)
-            self.k_norm = to_interleaved(w["self_attn.k_norm.weight"], 1)
-        self.gate_up = t(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]], 0))
-        self.down = t(w["mlp.down_proj.weight"])
+        f = w if fused else fuse_layer(cfg, dict(w))
+        self.input_norm = f.get("input_norm")  # None: no input norm (EAGLE layer 0)
+        self.post_norm = f["post_norm"]
+        self.qkv, self.qkv_bias, self.o = f["qkv"], f.get("qkv_bias"), f["o"]
+        self.q_norm, self.k_norm = f.get("q_norm"), f.get("k_norm")
+        self.gate_up, self.down = f["gate_up"], f["down"]
 
     def forward(self, x, residual, rope, backend, meta, layer_id):
         """x: (T, H) the previous layer's output (the residual stream not yet added), `rope`
@@ -150,22 +164,56 @@ def check_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> None:
                              f"e.g. {extra[:3]}")
 
 
+LAYOUT_VERSION = 1   # of `fuse_weights`' output; bump when it changes (the weight cache's key)
+
+
+def fuse_weights(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """A checked Hugging Face state dict -> the engine's layout, in `dtype` on `device`:
+    `lm_head_t` (H, V), `embed` (V, H, untied only), `norm`, `layers.{i}.{fuse_layer's names}`.
+    `sd` is emptied as it goes: a layer's inputs are freed once it is fused."""
+    check_state_dict(cfg, sd)
+    get = lambda n: sd.pop(n).to(device=device, dtype=dtype)  # noqa: E731
+    # the LM head, stored (in, out); tied models look embeddings up in it too
+    embed = get("model.embed_tokens.weight")
+    out = {"lm_head_t": t(embed if cfg.tie_word_embeddings else get("lm_head.weight")),
+           "norm": get("model.norm.weight")}
+    if not cfg.tie_word_embeddings:
+        out["embed"] = embed
+    del embed
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layer = {n[len(p):]: get(n) for n in [n for n in sd if n.startswith(p)]}
+        out.update({f"layers.{i}.{k}": v for k, v in fuse_layer(cfg, layer).items()})
+    sd.clear()   # what check_state_dict tolerates (inv_freq, a tied lm_head)
+    return out
+
+
 class LlamaForCausalLM:
     def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str = "cpu", max_positions: int | None = None):
-        check_state_dict(cfg, sd)
+        """From a Hugging Face state dict (copied, then fused); `from_fused` takes the layout."""
+        self._build(cfg, fuse_weights(cfg, dict(sd), dtype, device), dtype, device, max_positions)
+
+    @classmethod
+    def from_fused(cls, cfg: ModelConfig, w: dict[str, torch.Tensor],
+                   device: torch.device | str = "cpu", max_positions: int | None = None
+                   ) -> "LlamaForCausalLM":
+        """From `fuse_weights`' output (e.g. memory-mapped from the weight cache): on CPU the
+        model holds those very tensors, no copy."""
+        model = cls.__new__(cls)
+        model._build(cfg, {n: v.to(device) for n, v in w.items()}, w["norm"].dtype, device,
+                     max_positions)
+        return model
+
+    def _build(self, cfg, w, dtype, device, max_positions):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
-        sd = {n: t.to(device=device, dtype=dtype) for n, t in sd.items()}
-        # (H, V): the LM head, stored (in, out); tied models look embeddings up in it too
-        self.lm_head_t = t(sd["model.embed_tokens.weight"] if cfg.tie_word_embeddings
-                           else sd["lm_head.weight"])
-        self.embed = None if cfg.tie_word_embeddings else sd["model.embed_tokens.weight"]
-        self.norm = sd["model.norm.weight"]
+        self.lm_head_t, self.embed, self.norm = w["lm_head_t"], w.get("embed"), w["norm"]
         self.layers = []
         for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            self.layers.append(DecoderLayer(cfg, {n[len(p):]: t for n, t in sd.items()
-                                                  if n.startswith(p)}))
+            p = f"layers.{i}."
+            self.layers.append(DecoderLayer(cfg, {n[len(p):]: v for n, v in w.items()
+                                                  if n.startswith(p)}, fused=True))
         self.rope = RotaryEmbedding(cfg.hf_config, cfg.head_dim,
                                     max_positions or cfg.max_position_embeddings, device)
 

@@ -1,22 +1,27 @@
 """Find and read model weights: a Hugging Face directory, a GGUF file, or "default".
 
 `load_checkpoint(spec)` returns the ModelConfig, a state dict in Hugging Face names (float32
-or the file's float dtype) and the tokenizer. Errors name the file, tensor and shapes.
+or the file's float dtype) and the tokenizer. `load_checkpoint(spec, dtype=...)` returns the
+weights in the engine's fused layout instead (`llama.fuse_weights`), through the weight cache
+(weight_cache.py): converted and written on the first load, memory-mapped on every later one.
+Errors name the file, tensor and shapes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from eaglekv.errors import ModelLoadError
+from eaglekv.model import weight_cache
 from eaglekv.model.config import ModelConfig
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -25,9 +30,10 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 @dataclass
 class Checkpoint:
     config: ModelConfig
-    state_dict: dict[str, torch.Tensor]
+    state_dict: dict[str, torch.Tensor]   # HF names, or the fused layout when loaded with dtype
     tokenizer: Any
     source: str
+    load_times: dict[str, float] = field(default_factory=dict)   # stage -> seconds
 
 
 def default_model_path() -> Path:
@@ -56,18 +62,106 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
     return path
 
 
-def load_checkpoint(model: str | os.PathLike, load_tokenizer: bool = True) -> Checkpoint:
-    path = resolve_model_path(model)
+def _is_gguf(path: Path) -> bool:
     if path.is_file() and path.suffix == ".gguf":
+        return True
+    if not path.is_dir():
+        raise ModelLoadError(f"{path} is neither a .gguf file nor a directory with config.json")
+    return False
+
+
+def load_checkpoint(model: str | os.PathLike, load_tokenizer: bool = True,
+                    dtype: torch.dtype | None = None) -> Checkpoint:
+    path = resolve_model_path(model)
+    gguf = _is_gguf(path)
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    if dtype is not None:
+        cfg, sd = load_fused(path, gguf, dtype, times)
+    elif gguf:
         from eaglekv.model.gguf_loader import load_gguf
         cfg, sd = load_gguf(path)
-        tok = load_gguf_tokenizer(path) if load_tokenizer else None
-    elif path.is_dir():
-        cfg, sd = load_hf_dir(path)
-        tok = load_hf_tokenizer(path) if load_tokenizer else None
     else:
-        raise ModelLoadError(f"{path} is neither a .gguf file nor a directory with config.json")
-    return Checkpoint(config=cfg, state_dict=sd, tokenizer=tok, source=str(path))
+        cfg, sd = load_hf_dir(path)
+    t1 = time.perf_counter()
+    tok = None
+    if load_tokenizer:
+        from eaglekv.model.tokenizer import load_gguf_tokenizer
+        tok = load_gguf_tokenizer(path) if gguf else load_hf_tokenizer(path)
+        times["tokenizer"] = time.perf_counter() - t1
+    if dtype is None:
+        times["read"] = t1 - t0
+    return Checkpoint(config=cfg, state_dict=sd, tokenizer=tok, source=str(path),
+                      load_times=times)
+
+
+# ---- the engine's layout, through the weight cache --------------------------------------------
+def source_files(path: Path, gguf: bool) -> list[Path]:
+    return [path] if gguf else [path / "config.json", *safetensors_files(path)]
+
+
+def config_from_dict(d: dict) -> ModelConfig:
+    """A ModelConfig from a transformers config as a dict (`model_type` + fields: a config's
+    `to_dict()`, or what a GGUF's metadata gives): ModelConfig and RoPE read only attributes,
+    so no transformers import, except for a RoPE scaling that transformers computes (rope.py).
+    A field the dict lacks takes ModelConfig.from_hf's default, which is transformers' default
+    for the supported architectures."""
+    from eaglekv.model.rope import rope_parameters
+    hf = SimpleNamespace(**d)
+    if rope_parameters(hf)["rope_type"] != "default":
+        from eaglekv.model.gguf_loader import hf_config_from_dict
+        hf = hf_config_from_dict(d)
+    return ModelConfig.from_hf(hf)
+
+
+def _read_source(path: Path, gguf: bool) -> tuple[ModelConfig, dict, dict[str, torch.Tensor]]:
+    """(config, its dict for the cache, HF state dict). A GGUF's config is built from its
+    metadata without transformers (whose LlamaConfig import costs ~2 s here)."""
+    if gguf:
+        from eaglekv.model.gguf_loader import gguf_config_dict, gguf_state_dict, read_gguf
+        gf = read_gguf(path)
+        d = gguf_config_dict(gf, path)
+        cfg = config_from_dict(d)
+        return cfg, d, gguf_state_dict(gf, cfg)
+    cfg, sd = load_hf_dir(path)
+    return cfg, json.loads(cfg.hf_config.to_json_string()), sd
+
+
+def load_fused(path: Path, gguf: bool, dtype: torch.dtype, times: dict[str, float]
+               ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(config, fused weights): memory-mapped from the cache, or read, converted and cached."""
+    from eaglekv.model.llama import LAYOUT_VERSION, fuse_weights
+    t0 = time.perf_counter()
+    entry = weight_cache.entry_dir("weights", source_files(path, gguf), str(dtype).split(".")[-1],
+                                   f"v{LAYOUT_VERSION}")
+    file = entry / "model.safetensors" if entry is not None else None
+    check = {"layout": LAYOUT_VERSION, "entry": entry.name if entry is not None else None}
+    if file is not None:
+        try:
+            w, meta = weight_cache.load(file, check)
+            times["cache hit"] = time.perf_counter() - t0
+            return config_from_dict(meta["config"]), w
+        except OSError:   # not there (yet), or no cache directory at all
+            pass
+        except weight_cache.CacheCorrupt as e:
+            weight_cache.warn_corrupt(entry, e)
+    cfg, cfg_dict, sd = _read_source(path, gguf)
+    t1 = time.perf_counter()
+    times["read"] = t1 - t0
+    w = fuse_weights(cfg, sd, dtype)
+    del sd
+    t2 = time.perf_counter()
+    times["convert"] = t2 - t1
+    if file is None:
+        return cfg, w
+    try:
+        weight_cache.save(file, w, {**check, "config": cfg_dict})
+    except OSError as e:
+        weight_cache.warn_unwritable(file.parent, e)
+    else:   # from here on the file's pages: the converted copy is freed
+        w, _ = weight_cache.load(file, check)
+    times["cache write"] = time.perf_counter() - t2
+    return cfg, w
 
 
 # ---- Hugging Face directories ------------------------------------------------------------------
@@ -119,19 +213,3 @@ def load_hf_tokenizer(path: Path):
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (ValueError, OSError) as e:
         raise ModelLoadError(f"no tokenizer in {path}: {e}") from e
-
-
-def load_gguf_tokenizer(path: Path):
-    """transformers converts a GGUF tokenizer in seconds; keep the converted one in a cache."""
-    from transformers import AutoTokenizer
-    st = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("EAGLEKV_CACHE", Path.home() / ".cache" / "eaglekv")) / "tok" / key
-    if (cache / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(cache, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    try:
-        tok.save_pretrained(cache)
-    except OSError:
-        pass  # a read-only home only costs the conversion next time
-    return tok

@@ -561,3 +561,13 @@ def test_resolve_ambiguous_dir(tmp_path, n):
         (tmp_path / f"m{i}.gguf").write_bytes(b"x")
     with pytest.raises(ModelLoadError, match=f"no config.json \\(and {n} .gguf files\\)"):
         resolve_model_path(tmp_path)
+
+
+@pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q4_0, QT.Q4_1])
+def test_fast_dequantize_is_bit_exact(qt):
+    """The in-place Q8_0/Q4_0/Q4_1 path equals gguf.quants.dequantize bit for bit."""
+    from gguf.quants import dequantize as gguf_dequantize
+    x = np.random.default_rng(5).standard_normal((48, 96)).astype(np.float32) * 3
+    raw = quantize(x, qt)
+    t = SimpleNamespace(name="w", tensor_type=qt, shape=(96, 48), data=raw)
+    assert np.array_equal(dequantize(t).numpy(), gguf_dequantize(raw, qt).reshape(48, 96))
