@@ -1,7 +1,8 @@
 """The converted-weights cache: a model's tensors as the engine lays them out (fused, permuted,
 in the load dtype), written once as safetensors and memory-mapped by every later load.
 
-    $EAGLEKV_CACHE (default $XDG_CACHE_HOME/eaglekv, else ~/.cache/eaglekv; "off": no cache)
+    $EAGLEKV_CACHE (default $XDG_CACHE_HOME/eaglekv, else ~/.cache/eaglekv; empty or "off":
+    no cache, as for the adaptive cost table)
       weights/<source stem>-<dtype>-<key>/model.safetensors    fused tensors + metadata
       tokenizer/<source stem>-<key>/tokenizer.json, tokenizer_config.json
 
@@ -39,9 +40,9 @@ class CacheCorrupt(Exception):
 
 
 def cache_root() -> Path | None:
-    """Where cached weights and tokenizers live; None when EAGLEKV_CACHE=off."""
+    """Where cached weights and tokenizers live; None when EAGLEKV_CACHE is empty or "off"."""
     env = os.environ.get(CACHE_ENV)
-    if env == "off":
+    if env is not None and env.strip() in ("", "off"):
         return None
     if env:
         return Path(env).expanduser()
@@ -68,7 +69,7 @@ def entry_dir(kind: str, sources: list[Path], *extra: str) -> Path | None:
 
 def warn_unwritable(where: Path, err: OSError) -> None:
     warnings.warn(f"eaglekv: cannot write the cache at {where} ({err}); loading without it "
-                  f"(set {CACHE_ENV} to a writable directory, or {CACHE_ENV}=off)", stacklevel=3)
+                  f"(set {CACHE_ENV} to a writable directory, or empty for no cache)", stacklevel=3)
 
 
 def warn_corrupt(where: Path, err: Exception) -> None:
