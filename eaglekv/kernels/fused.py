@@ -121,6 +121,54 @@ def silu_and_mul(gate_up: torch.Tensor, *, checked: bool = True) -> torch.Tensor
     return _triton_impl().silu_and_mul_triton(gate_up, _check_silu_and_mul)
 
 
+# ----------------------------------------------------------------------------- norm_matmul
+
+NORM_MATMUL_MAX_ROWS = 64    # decode, draft and small verify batches; larger ones: cuBLAS
+FUSE_NORM_MATMUL = True      # False: the separate ops always (the bench's before/after)
+
+
+def _check_norm_matmul(x, residual, norm_weight, w, silu_mul) -> None:
+    _check_add_rms_norm(x, residual, norm_weight)
+    op = "norm_matmul"
+    _expect(op, "w", w, (x.shape[1], None), (x.dtype,), x.device)
+    if silu_mul and w.shape[1] % 2:
+        raise ValueError(f"{op}: w has shape {tuple(w.shape)}, expected (K, 2I) for silu_mul")
+    for name, t in (("x", x), ("residual", residual), ("w", w)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} must be contiguous along its last dimension")
+
+
+def norm_matmul_torch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                      eps: float, w: torch.Tensor, *, silu_mul: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: `add_rms_norm`, then `h @ w`, then (silu_mul) `silu_and_mul`."""
+    _check_norm_matmul(x, residual, norm_weight, w, silu_mul)
+    return _norm_matmul_ops(x, residual, norm_weight, eps, w, silu_mul)
+
+
+def _norm_matmul_ops(x, residual, norm_weight, eps, w, silu_mul):
+    h, new_residual = _add_rms_norm_ops(x, residual, norm_weight, eps)
+    y = h @ w
+    return (_silu_and_mul_ops(y) if silu_mul else y), new_residual
+
+
+def norm_matmul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                eps: float, w: torch.Tensor, *, silu_mul: bool = False, matmul=None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm -> matmul (-> silu_and_mul) in one kernel: the first matmul of a decoder
+    layer's attention (`w` = qkv) and of its MLP (`w` = [gate | up], silu_mul). x, residual
+    (M, K); norm_weight (K,); w (K, N) -> (y (M, N), or (M, N/2) with silu_mul; new residual
+    (M, K)). The Triton kernel takes M <= NORM_MATMUL_MAX_ROWS (a decode-sized batch: three
+    launches become one); otherwise the separate ops run, the matmul through `matmul(h, w)`
+    (default `h @ w`)."""
+    if FUSE_NORM_MATMUL and use_triton(x) and x.shape[0] <= NORM_MATMUL_MAX_ROWS:
+        return _triton_impl().norm_matmul_triton(x, residual, norm_weight, float(eps), w,
+                                                 silu_mul, _check_norm_matmul)
+    h, new_residual = add_rms_norm(x, residual, norm_weight, eps, checked=False)
+    y = h @ w if matmul is None else matmul(h, w)
+    return (silu_and_mul(y, checked=False) if silu_mul else y), new_residual
+
+
 # -------------------------------------------------------------------------- rope_store_qkv
 
 def _check_rope_store(qkv, cos, sin, positions, k_cache, v_cache, out_cache_loc, num_heads,

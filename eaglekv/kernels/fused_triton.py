@@ -170,6 +170,108 @@ def silu_and_mul_triton(gate_up, check):
 _SILU_AND_MUL = CachedLaunch(_silu_and_mul_kernel)
 
 
+@triton.jit
+def _norm_rows(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, kk, km, x_s0, r_s0, K, inv,
+               HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL, BY_HAND: tl.constexpr):
+    """Columns kk of rows: s = round(x + r) (stored as the new residual when asked), then
+    round(s * inv * w), the matmul's input tile (BLOCK_M, BLOCK_K) in x's dtype."""
+    m2 = rm[:, None] & km[None, :]
+    s = tl.load(x_ptr + rows[:, None] * x_s0 + kk[None, :], mask=m2, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + rows[:, None] * r_s0 + kk[None, :], mask=m2, other=0.0)
+        s = _round(s.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty, BY_HAND)
+        if STORE_RESIDUAL:
+            tl.store(res_ptr + rows[:, None] * K + kk[None, :], s, mask=m2)
+    w = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
+    return _round(s.to(tl.float32) * inv[:, None] * w[None, :], x_ptr.dtype.element_ty,
+                  BY_HAND)
+
+
+@triton.jit
+def _norm_matmul_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s0,
+                        r_s0, w_s0, eps, HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        IEEE: tl.constexpr, BY_HAND: tl.constexpr):
+    """Program (i, j): rows block i, output columns block j of
+        s = round(x + r); h = round(s * rsqrt(mean(s^2) + eps) * nw); y = round(h @ W)
+    (SILU: W = [gate | up] (K, 2 N_OUT) and y = round(silu(g) * u), g and u rounded first, as
+    add_rms_norm -> matmul -> silu_and_mul round). A first pass over the row gives rsqrt, the
+    second streams W once; programs j == 0 write the new residual s."""
+    i, j = tl.program_id(0), tl.program_id(1)
+    rows = (i * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rm = rows < M
+    ks = tl.arange(0, BLOCK_K)
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):                                       # pass 1: mean(s^2)
+        kk = k0 + ks
+        m2 = rm[:, None] & (kk < K)[None, :]
+        s = tl.load(x_ptr + rows[:, None] * x_s0 + kk[None, :], mask=m2, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + rows[:, None] * r_s0 + kk[None, :], mask=m2, other=0.0)
+            s = _round(s.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty, BY_HAND)
+        s = s.to(tl.float32)
+        sq += tl.sum(s * s, axis=1)
+    inv = tl.rsqrt(sq / K + eps)                                          # (BLOCK_M,)
+    cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    cm = cols < N_OUT
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):                                       # pass 2: h @ W
+        kk = k0 + ks
+        km = kk < K
+        h = _norm_rows(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, kk, km, x_s0, r_s0, K, inv,
+                       HAS_RESIDUAL, j == 0, BY_HAND)
+        wm = km[:, None] & cm[None, :]
+        w_at = w_ptr + kk.to(tl.int64)[:, None] * w_s0 + cols[None, :]
+        w = tl.load(w_at, mask=wm, other=0.0)
+        if IEEE:   # fp32 (not tf32), or bf16 under the interpreter (see attention_triton)
+            acc += tl.dot(h.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(h, w)
+        if SILU:
+            u = tl.load(w_at + N_OUT, mask=wm, other=0.0)
+            if IEEE:
+                acc2 += tl.dot(h.to(tl.float32), u.to(tl.float32), input_precision="ieee")
+            else:
+                acc2 += tl.dot(h, u)
+    dt = out_ptr.dtype.element_ty
+    y = _round(acc, dt, BY_HAND)
+    if SILU:
+        g = y.to(tl.float32)
+        u = _round(acc2, dt, BY_HAND).to(tl.float32)
+        y = _round(g * tl.sigmoid(g) * u, dt, BY_HAND)
+    tl.store(out_ptr + rows[:, None] * N_OUT + cols[None, :], y,
+             mask=rm[:, None] & cm[None, :])
+
+
+def norm_matmul_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, check):
+    """x, residual (M, K), w (K, N), each contiguous along its last dimension -> (y (M, N or
+    N/2), new residual (M, K) contiguous); one launch."""
+    r = x if residual is None else residual
+    key = (_sig(x), residual is None, _sig(r), _sig(norm_weight), _sig(w), silu_mul)
+    hit = _NORM_MATMUL.lookup(key)
+    if hit is None:
+        check(x, residual, norm_weight, w, silu_mul)
+    M, K = x.shape
+    n_out = w.shape[1] // 2 if silu_mul else w.shape[1]
+    out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
+    new_res = x if residual is None else torch.empty((M, K), dtype=x.dtype, device=x.device)
+    if M:
+        bm = min(64, max(16, _pow2(M)))
+        bn = 32 if n_out <= 2048 else 64
+        bk = min(128, max(16, _pow2(K)))
+        args = (x, r, norm_weight, w, out, new_res, M, K, n_out, x.stride(0), r.stride(0),
+                w.stride(0), eps, residual is not None, silu_mul, bm, bn, bk,
+                x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and not x.is_cuda),
+                not x.is_cuda)
+        _NORM_MATMUL.launch(hit, key, (-(-M // bm), -(-n_out // bn)), args, x.get_device(),
+                            num_warps=4, num_stages=3)
+    return out, new_res
+
+
+_NORM_MATMUL = CachedLaunch(_norm_matmul_kernel)
+
+
 @triton.jit(do_not_specialize=["pos_call", "slot_call"])
 def _rope_store_qkv_kernel(qkv_ptr, s0, s1, s2, cos_ptr, c_s0, c_s1, sin_ptr, n_s0, n_s1,
                            pos_ptr, p_s0, loc_ptr, l_s0, q_ptr, kc_ptr, vc_ptr, err_ptr,

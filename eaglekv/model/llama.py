@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from eaglekv.core import ForwardBatch
 from eaglekv.errors import ModelLoadError
-from eaglekv.kernels.fused import add_rms_norm, silu_and_mul
+from eaglekv.kernels.fused import add_rms_norm, norm_matmul
 from eaglekv.model.config import ModelConfig
 from eaglekv.model.rope import RotaryEmbedding, to_interleaved
 
@@ -103,14 +103,20 @@ class DecoderLayer:
         """x: (T, H) the previous layer's output (the residual stream not yet added), `rope`
         what `backend.rope_inputs` gave for this forward -> (output, residual)."""
         cfg = self.cfg
-        if self.input_norm is None:       # EAGLE's layer 0 has no input norm
-            residual = x if residual is None else residual + x
-            h = residual
+        T, H, Hkv, D = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if self.input_norm is not None and self.qkv_bias is None:
+            # add + RMSNorm + QKV matmul: one kernel on a decode-sized batch (fused.py)
+            qkv, residual = norm_matmul(x, residual, self.input_norm, cfg.rms_norm_eps,
+                                        self.qkv, matmul=linear)
         else:
-            h, residual = add_rms_norm(x, residual, self.input_norm, cfg.rms_norm_eps,
-                                       checked=False)
-        T, H, Hkv, D = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = linear(h, self.qkv, self.qkv_bias).view(T, H + 2 * Hkv, D)  # (T, H+2Hkv, D)
+            if self.input_norm is None:   # EAGLE's layer 0 has no input norm
+                residual = x if residual is None else residual + x
+                h = residual
+            else:
+                h, residual = add_rms_norm(x, residual, self.input_norm, cfg.rms_norm_eps,
+                                           checked=False)
+            qkv = linear(h, self.qkv, self.qkv_bias)
+        qkv = qkv.view(T, H + 2 * Hkv, D)                                 # (T, H+2Hkv, D)
         if self.q_norm is not None:
             qkv = torch.cat([rms_norm(qkv[:, :H], self.q_norm, cfg.rms_norm_eps),
                              rms_norm(qkv[:, H:H + Hkv], self.k_norm, cfg.rms_norm_eps),
@@ -118,8 +124,10 @@ class DecoderLayer:
         # RoPE on q and k, K/V into the cache, attention: (T, H, D)
         attn = backend.forward_qkv(qkv, rope, layer_id, meta, D ** -0.5, H, Hkv)
         x = linear(attn.reshape(T, cfg.q_size), self.o)
-        h, residual = add_rms_norm(x, residual, self.post_norm, cfg.rms_norm_eps, checked=False)
-        return linear(silu_and_mul(linear(h, self.gate_up), checked=False), self.down), residual
+        # add + RMSNorm + gate/up matmul + SiLU*mul: one kernel on a decode-sized batch
+        act, residual = norm_matmul(x, residual, self.post_norm, cfg.rms_norm_eps, self.gate_up,
+                                    silu_mul=True, matmul=linear)
+        return linear(act, self.down), residual
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

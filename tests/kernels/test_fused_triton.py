@@ -549,3 +549,58 @@ def test_captured_in_a_cuda_graph():
     assert_ulps(q.cpu(), rq, 1)
     assert torch.equal(vc.cpu(), rv)
     assert_ulps(kc.cpu(), rk, 1)
+
+
+# ----------------------------------------------------------------------------- norm_matmul
+# (M, K, N): decode batches of the default model (K=576: qkv N=960, gate_up N=2*1536), odd
+# sizes that leave partial blocks, and the largest batch the kernel takes
+NORM_MATMUL_SHAPES = [(1, 64, 96), (3, 576, 960), (17, 96, 80), (64, 64, 48)] + (
+    [(1, 4096, 6144), (16, 4096, 2 * 14336), (64, 576, 2 * 1536)] if ON_GPU else [])
+MATMUL_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("M,K,N", NORM_MATMUL_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("silu", [False, True])
+def test_norm_matmul_matches_reference(M, K, N, dtype, with_residual, silu):
+    """The one-kernel add_rms_norm -> matmul (-> silu_and_mul) against the three ops: the new
+    residual bit-identical, the output within the matmul's rounding (its accumulation order
+    differs from the BLAS's) relative to the output's scale."""
+    from eaglekv.kernels.fused import norm_matmul, norm_matmul_torch
+    x = randn(M, K, dtype=dtype, seed=1)
+    r = randn(M, K, dtype=dtype, seed=2) if with_residual else None
+    nw = randn(K, dtype=dtype, seed=3, scale=0.2) + 1
+    w = randn(K, N, dtype=dtype, seed=4, scale=K ** -0.5)
+    got, got_res = norm_matmul(x, r, nw, EPS, w, silu_mul=silu)
+    want, want_res = norm_matmul_torch(x, r, nw, EPS, w, silu_mul=silu)
+    assert got.shape == want.shape == (M, N // 2 if silu else N) and got.dtype == dtype
+    assert torch.equal(got_res, want_res)
+    scale = want.double().abs().max().clamp_min(1e-3)
+    err = (got.double() - want.double()).abs().max() / scale
+    assert err <= MATMUL_TOL[dtype], f"max error {float(err):.3g} of the output's scale"
+
+
+def test_norm_matmul_reference_is_the_model_math():
+    """The reference is add_rms_norm -> @ -> silu_and_mul: the formula, computed in fp64."""
+    from eaglekv.kernels.fused import norm_matmul_torch
+    x, r, nw, w = randn(5, 64, seed=1), randn(5, 64, seed=2), randn(64, seed=3), randn(64, 96,
+                                                                                         seed=4)
+    y, res = norm_matmul_torch(x.cpu(), r.cpu(), nw.cpu(), EPS, w.cpu(), silu_mul=True)
+    s = x.double().cpu() + r.double().cpu()
+    h = s / torch.sqrt((s * s).mean(-1, keepdim=True) + EPS) * nw.double().cpu()
+    g, u = (h @ w.double().cpu()).chunk(2, -1)
+    assert torch.allclose(res.double(), s, atol=1e-6)
+    assert torch.allclose(y.double(), g * torch.sigmoid(g) * u, atol=1e-4, rtol=1e-4)
+
+
+def test_norm_matmul_bad_arguments_name_the_value():
+    from eaglekv.kernels.fused import norm_matmul
+    x, nw = randn(2, 64), randn(64)
+    with pytest.raises(ValueError, match=r"norm_matmul: w has shape \(32, 8\), expected "
+                                         r"\(64, \*\)"):
+        norm_matmul(x, None, nw, EPS, randn(32, 8))
+    with pytest.raises(ValueError, match=r"expected \(K, 2I\) for silu_mul"):
+        norm_matmul(x, None, nw, EPS, randn(64, 7), silu_mul=True)
+    with pytest.raises(TypeError, match="norm_matmul: w dtype torch.float16"):
+        norm_matmul(x, None, nw, EPS, randn(64, 8, dtype=torch.float16))
