@@ -99,9 +99,19 @@ class Tokenizer:
 
 
 def convert_gguf_tokenizer(path: Path) -> Tokenizer:
-    """transformers' conversion of the GGUF vocabulary (imports transformers)."""
-    from transformers.integrations.gguf import convert_gguf_tokenizer as convert
-    from transformers.integrations.gguf import get_gguf_tokenizer
+    """transformers' conversion of the GGUF vocabulary (imports transformers). Its module
+    layout moved between releases (5.24 has `integrations.gguf.convert_gguf_tokenizer`, 5.17
+    not): where the direct conversion is missing, AutoTokenizer's GGUF path builds it."""
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer as convert
+        from transformers.integrations.gguf import get_gguf_tokenizer
+    except ImportError:
+        from transformers import AutoTokenizer
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
+                                           local_files_only=True)
+        keep = {k: getattr(hf, k, None) for k in (*SPECIAL, "chat_template")}
+        return Tokenizer(hf.backend_tokenizer, {k: v for k, v in keep.items()
+                                                if isinstance(v, str)})
     arch, tokenizer_dict, config = get_gguf_tokenizer(str(path))
     backend, _ = convert(arch, tokenizer_dict)
     keep = {k: config.get(k) for k in (*SPECIAL, "chat_template")}
