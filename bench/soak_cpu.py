@@ -89,6 +89,7 @@ def main() -> int:
             if time.time() > deadline:
                 raise RuntimeError("the server did not come up in 300 s")
             time.sleep(0.5)
+        load_before = os.getloadavg()
         proc = psutil.Process(server.pid)
         rss = lambda: proc.memory_info().rss / 2**20  # noqa: E731
         started_rss = rss()
@@ -104,6 +105,7 @@ def main() -> int:
         idle = {k: metric(url, "eaglekv:" + k) for k in
                 ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
         alive = server.poll() is None
+        load_after = os.getloadavg()
     finally:
         server.terminate()
         server.wait(30)
@@ -125,6 +127,9 @@ def main() -> int:
         "command": "PYTHONPATH=. .venv/bin/python bench/soak_cpu.py " + " ".join(sys.argv[1:]),
         "server": " ".join(["eaglekv"] + cmd[1:]),
         "model": "SmolLM2-135M-Instruct fp32 + shipped EAGLE head (adaptive)",
+        # the machine is shared: latencies depend on what else runs (1/5/15-min averages)
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in load_after],
         **res, "requests_total": res["answered_ok"] + res["failed"] + res["poisoned_total"]
         + len(res["poison_unexpected"]),
         "rss_mb_at_start": round(started_rss, 1),

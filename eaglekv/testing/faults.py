@@ -6,7 +6,7 @@ address, for the next engine step, by wrapping one method of that engine's own o
 instance attribute, removed on exit) or, for req_to_token, by writing the table directly:
 
     path                 where the bad index goes                       limit
-    store_cache          the target's K/V store slots (out_cache_loc)    pool size_limit
+    store_cache          the target forward's K/V write slots (out_cache_loc)  pool size_limit
     move_kv              the commit's target row move, dst              pool size_limit
     req_to_token         a running request's committed table entry      pool size_limit
     draft_out_cache_loc  the draft's write slot of draft step 0         pool size_limit
@@ -29,6 +29,7 @@ instance attribute, removed on exit) or, for req_to_token, by writing the table 
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -84,13 +85,14 @@ def inject(engine, path: str, kind: str, target=None, foreign_slot: int = 0):
     try:
         if path == "store_cache":
             def make(orig):
-                def set_kv_buffer(layer, loc, k, v):
-                    if not f.fired:
-                        loc = loc.clone()
+                def init_forward_metadata(batch):
+                    if not f.fired:      # the forward's write slots, for every layer
+                        loc = batch.out_cache_loc.clone()
                         loc.view(-1)[0] = fire(bad_value(kind, f.limit, foreign_slot))
-                    return orig(layer, loc, k, v)
-                return set_kv_buffer
-            _wrap(pool, "set_kv_buffer", make, undo)
+                        batch = dataclasses.replace(batch, out_cache_loc=loc)
+                    return orig(batch)
+                return init_forward_metadata
+            _wrap(engine.backend, "init_forward_metadata", make, undo)
         elif path == "move_kv":
             def make(orig):
                 def move_kv(dst, src):
@@ -269,18 +271,23 @@ def write_table(outcomes: list[Outcome], md_path, json_path, command: str, devic
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     by = {(o.path, o.kind): o for o in outcomes}
     lines = [f"Fault table ({device}, {date}); command: `{command}`", "",
+             "A cell reads \"refused, nothing written, engine serving\" when the step ended "
+             "in KVIndexError naming the path and the corrupt value, the canary rows around "
+             "every pool and every request's committed K/V were unchanged, and the next "
+             "request came out exact with the books balanced; it shows the value and the "
+             "check that refused it. The foreign column runs with the ownership checked mode "
+             "on, the others with the always-on guards only.", "",
              "| path | " + " | ".join(KINDS) + " |", "|---|" + "---|" * len(KINDS)]
     for p in PATHS:
         cells = []
         for k in KINDS:
             o = by.get((p, k))
+            op = o.op.split(" (")[0].split(":")[0] if o is not None else ""
             cells.append("not run" if o is None else
-                         (o.cell + (f" (`{o.op}`)" if o.op else "")))
+                         f"{o.cell}: {o.value} (`{op}`)" if o.op else f"{o.cell}: {o.value}")
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
     ok = sum(o.ok for o in outcomes)
-    lines += ["", f"{ok} of {len(outcomes)} cells refused, nothing written, engine serving. "
-              "The foreign column runs with the ownership checked mode on; the others with "
-              "the always-on guards only."]
+    lines += ["", f"{ok} of {len(outcomes)} cells refused, nothing written, engine serving."]
     Path(md_path).write_text("\n".join(lines) + "\n")
     Path(json_path).write_text(json.dumps(
         {"date": date, "device": device, "command": command, "cells_ok": ok,
