@@ -173,6 +173,7 @@ class Outcome:
     serving: bool = False        # the next request equals its reference, books balanced
     detail: str = ""
     ownership_mode: bool = False
+    config: str = ""             # the engine configuration, named by the caller
     errors: list = field(default_factory=list)
 
     @property
@@ -269,26 +270,40 @@ def write_table(outcomes: list[Outcome], md_path, json_path, command: str, devic
     import json
     from pathlib import Path
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    by = {(o.path, o.kind): o for o in outcomes}
+    by: dict = {}
+    for o in outcomes:
+        by.setdefault((o.path, o.kind), []).append(o)
     lines = [f"Fault table ({device}, {date}); command: `{command}`", "",
-             "A cell reads \"refused, nothing written, engine serving\" when the step ended "
-             "in KVIndexError naming the path and the corrupt value, the canary rows around "
-             "every pool and every request's committed K/V were unchanged, and the next "
-             "request came out exact with the books balanced; it shows the value and the "
-             "check that refused it. The foreign column runs with the ownership checked mode "
+             "A cell reads \"refused, nothing written, engine serving\" when, on every engine "
+             "configuration the path was tried on, the step ended in KVIndexError naming the "
+             "path and the corrupt value, the canary rows around every pool and every "
+             "request's committed K/V were unchanged, and the next request came out exact "
+             "with the books balanced; it shows the value(s), the check that refused it and "
+             "the configurations. The foreign column runs with the ownership checked mode "
              "on, the others with the always-on guards only.", "",
              "| path | " + " | ".join(KINDS) + " |", "|---|" + "---|" * len(KINDS)]
     for p in PATHS:
         cells = []
         for k in KINDS:
-            o = by.get((p, k))
-            op = o.op.split(" (")[0].split(":")[0] if o is not None else ""
-            cells.append("not run" if o is None else
-                         f"{o.cell}: {o.value} (`{op}`)" if o.op else f"{o.cell}: {o.value}")
+            os_ = by.get((p, k), [])
+            if not os_:
+                cells.append("not run")
+                continue
+            bad = [o for o in os_ if not o.ok]
+            ops = sorted({o.op.split(" (")[0].split(":")[0] for o in os_ if o.op})
+            vals = sorted({o.value for o in os_ if o.value is not None})
+            head = (os_[0].cell if not bad else
+                    "; ".join(f"{o.config}: {o.cell}" for o in bad))
+            cells.append(f"{head}: {', '.join(map(str, vals))} "
+                         f"({', '.join(f'`{x}`' for x in ops)}; "
+                         f"{', '.join(o.config for o in os_)})")
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
     ok = sum(o.ok for o in outcomes)
-    lines += ["", f"{ok} of {len(outcomes)} cells refused, nothing written, engine serving."]
+    cells_ok = sum(all(o.ok for o in v) for v in by.values())
+    lines += ["", f"{cells_ok} of {len(by)} cells refused, nothing written, engine serving "
+              f"({ok} of {len(outcomes)} cases)."]
     Path(md_path).write_text("\n".join(lines) + "\n")
     Path(json_path).write_text(json.dumps(
-        {"date": date, "device": device, "command": command, "cells_ok": ok,
-         "cells": [o.as_dict() for o in outcomes]}, indent=1) + "\n")
+        {"date": date, "device": device, "command": command, "cells_ok": cells_ok,
+         "cells": len(by), "cases_ok": ok,
+         "cases": [o.as_dict() for o in outcomes]}, indent=1) + "\n")

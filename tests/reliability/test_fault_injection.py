@@ -2,7 +2,9 @@
 a tiny random model: one corrupt index per case (negative, equal to the limit, huge, a valid
 slot of another request) must end in KVIndexError naming the path and the value, with the
 canary rows around every pool and every request's committed K/V unchanged, and the engine
-serving the next request exactly. The cases live in eaglekv/testing/faults.py; with
+serving the next request exactly; each path on two or three engine configurations (plain,
+EAGLE chain and tree, page sizes 1 and 4, multi-layer EAGLE, DecodeGraphs' static buffers).
+The cases live in eaglekv/testing/faults.py; with
 EAGLEKV_FAULT_TABLE=1 this module also writes bench/results/fault_table_cpu.{md,json}."""
 
 from __future__ import annotations
@@ -14,27 +16,44 @@ import pytest
 
 from eaglekv import SamplingParams
 from eaglekv.memory import KVPool
-from eaglekv.testing.faults import KINDS, PATHS, SPECULATIVE_PATHS, run_case, write_table
+from eaglekv.testing.faults import KINDS, PATHS, run_case, write_table
 from helpers import spec, tiny_engine
 
 PROMPTS = [[5, 17, 42, 8], list(range(1, 12)), [9] * 7]
 NEXT = [3, 1, 4, 1, 5]
 SP = SamplingParams(max_new_tokens=8, ignore_eos=True)
 OUTCOMES = []
+CONFIGS = {   # engine options of each configuration a path is tried on
+    "plain": {}, "plain_ps4": {"page_size": 4},
+    "graphs": {"attention_backend": "triton"},
+    "graphs_ps4": {"attention_backend": "triton", "page_size": 4},
+    "eagle_chain": {"speculative": spec("eagle", 3, 1, 4)},
+    "eagle_tree": {"speculative": spec("eagle", 3, 2, 5)},
+    "eagle_tree_ps4": {"speculative": spec("eagle", 3, 2, 5), "page_size": 4},
+    "multi_layer": {"speculative": spec("multi_layer_eagle", 3)},
+}
+VARIANTS = {
+    "store_cache": ["plain", "plain_ps4", "eagle_tree"],
+    "move_kv": ["eagle_chain", "eagle_tree_ps4", "multi_layer"],
+    "req_to_token": ["plain", "plain_ps4", "eagle_tree"],
+    "draft_out_cache_loc": ["eagle_tree", "eagle_tree_ps4", "eagle_chain"],
+    "draft_kv_indices": ["eagle_tree", "eagle_tree_ps4", "eagle_chain"],
+    "draft_kv_indptr": ["eagle_tree", "eagle_tree_ps4", "eagle_chain"],
+    "tree_retrieve": ["eagle_tree", "eagle_chain", "multi_layer"],
+    "graph_padded_rows": ["graphs", "graphs_ps4"],
+}
+assert set(VARIANTS) == set(PATHS)
+CASES = [(p, k, c) for p in PATHS for k in KINDS for c in VARIANTS[p]]
 
 
-def engine_for(tiny_dir, path):
-    opts = dict(max_running_requests=4, max_total_tokens=256)
-    if path in SPECULATIVE_PATHS:
-        opts["speculative"] = spec("eagle", 3, 1, 4) if path == "move_kv" else \
-            spec("eagle", 3, 2, 5)
-    if path == "graph_padded_rows":      # DecodeGraphs' static buffers, replayed eagerly
+def make_engine(tiny_dir, config):
+    eng = tiny_engine(tiny_dir, max_running_requests=4, max_total_tokens=256,
+                      **CONFIGS[config])
+    if config.startswith("graphs"):      # DecodeGraphs' static buffers, replayed eagerly
         from eaglekv.cuda_graph import DecodeGraphs
-        eng = tiny_engine(tiny_dir, attention_backend="triton", **opts)
         eng.runner.graphs = DecodeGraphs(eng.model, eng.backend, 4, eng.max_context_len,
                                          progress=False, capture=False)
-        return eng
-    return tiny_engine(tiny_dir, **opts)
+    return eng
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +73,10 @@ def refs(tiny_dir):
 def engines(tiny_dir, canaries):
     made = {}
 
-    def get(path):
-        if path not in made:
-            made[path] = engine_for(tiny_dir, path)
-        return made[path]
+    def get(config):
+        if config not in made:
+            made[config] = make_engine(tiny_dir, config)
+        return made[config]
     get.made = made
     yield get
     if os.environ.get("EAGLEKV_FAULT_TABLE") == "1" and OUTCOMES:
@@ -67,11 +86,11 @@ def engines(tiny_dir, canaries):
                     "tests/reliability/test_fault_injection.py", "CPU")
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("path", PATHS)
-def test_fault(engines, refs, path, kind):
-    outcome = run_case(engines(path), path, kind, PROMPTS, refs[:-1], NEXT, refs[-1], SP)
+@pytest.mark.parametrize("path,kind,config", CASES)
+def test_fault(engines, refs, path, kind, config):
+    outcome = run_case(engines(config), path, kind, PROMPTS, refs[:-1], NEXT, refs[-1], SP)
+    outcome.config = config
     OUTCOMES.append(outcome)
-    if not outcome.serving:      # the next case on this path starts on a fresh engine
-        engines.made.pop(path)
+    if not outcome.serving:      # the next case on this configuration starts afresh
+        engines.made.pop(config)
     assert outcome.ok, outcome.as_dict()
