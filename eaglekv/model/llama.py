@@ -38,11 +38,13 @@ def t(w: torch.Tensor) -> torch.Tensor:
     return w.t().contiguous()
 
 
-# On CPU in fp32 the matmuls go through numpy's BLAS (OpenBLAS), which on this project's
-# machine (AMD, AVX without AVX2) beats torch's MKL at every size: 30 SmolLM2 layers at M=1
-# take 20 ms instead of 33, the LM head 3.9 instead of 5.2, M=16 verify 55 instead of 106,
-# a 256-token prefill matmul 5.6 instead of 12. The two thread pools spin against each other,
-# so the engine runs torch's own (small) ops on one thread while OpenBLAS uses all cores
+# On CPU in fp32 the matmuls go through numpy's BLAS (OpenBLAS), not torch's MKL. This
+# project's machine is an AMD EPYC with AVX2 and AVX-512: OpenBLAS runs its SkylakeX (AVX-512)
+# kernels there, while oneMKL 2024.0 takes its generic path on a non-Intel CPU (MKL_VERBOSE=1
+# says "Intel(R) Architecture processors"). bench/blas_cpu.py (one SmolLM2 forward's matmuls,
+# median of 7): on 2 threads OpenBLAS 13 ms against MKL's 27 at M=1, 50 against 89 at M=4,
+# 0.65-0.80x at M=16..256; on 1 thread 0.75-0.98x. The two thread pools spin against each
+# other, so the engine runs torch's own (small) ops on one thread while OpenBLAS uses all cores
 # (`cpu_blas_threads`). EAGLEKV_CPU_BLAS=torch turns all of it off.
 USE_NUMPY_BLAS = os.environ.get("EAGLEKV_CPU_BLAS", "numpy") == "numpy"
 
