@@ -1,7 +1,7 @@
 """The tokenizer of a GGUF model, built once and cached as `tokenizer.json`.
 
-The first load converts the GGUF vocabulary with transformers' own converter (what
-`AutoTokenizer.from_pretrained(dir, gguf_file=...)` does, ~1.5 s with its import) and saves the
+The first load converts the GGUF vocabulary with transformers
+(`AutoTokenizer.from_pretrained(dir, gguf_file=...)`, ~1.5 s with its import) and saves the
 result under the cache (weight_cache.py). Every later load reads `tokenizer.json` with the
 `tokenizers` library (~0.1 s) and never imports transformers (~1-2 s here).
 
@@ -99,23 +99,12 @@ class Tokenizer:
 
 
 def convert_gguf_tokenizer(path: Path) -> Tokenizer:
-    """transformers' conversion of the GGUF vocabulary (imports transformers). Its module
-    layout moved between releases (5.24 has `integrations.gguf.convert_gguf_tokenizer`, 5.17
-    not): where the direct conversion is missing, AutoTokenizer's GGUF path builds it."""
-    try:
-        from transformers.integrations.gguf import convert_gguf_tokenizer as convert
-        from transformers.integrations.gguf import get_gguf_tokenizer
-    except ImportError:
-        from transformers import AutoTokenizer
-        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
-                                           local_files_only=True)
-        keep = {k: getattr(hf, k, None) for k in (*SPECIAL, "chat_template")}
-        return Tokenizer(hf.backend_tokenizer, {k: v for k, v in keep.items()
-                                                if isinstance(v, str)})
-    arch, tokenizer_dict, config = get_gguf_tokenizer(str(path))
-    backend, _ = convert(arch, tokenizer_dict)
-    keep = {k: config.get(k) for k in (*SPECIAL, "chat_template")}
-    return Tokenizer(backend, keep)
+    """transformers' tokenizer of the GGUF (imports transformers), as a `Tokenizer`: its
+    backend as transformers set it up (post-processor for BOS/EOS included)."""
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    config = {n: getattr(hf, n, None) for n in SPECIAL}
+    return Tokenizer(hf.backend_tokenizer, {**config, "chat_template": hf.chat_template})
 
 
 def load_gguf_tokenizer(path: Path) -> Tokenizer:
