@@ -1,9 +1,9 @@
 """The tokenizer of a GGUF model, built once and cached as `tokenizer.json`.
 
 The first load converts the GGUF vocabulary with transformers
-(`AutoTokenizer.from_pretrained(dir, gguf_file=...)`, ~1.5 s with its import) and saves the
-result under the cache (weight_cache.py). Every later load reads `tokenizer.json` with the
-`tokenizers` library (~0.1 s) and never imports transformers (~1-2 s here).
+(`PreTrainedTokenizerFast.from_pretrained(dir, gguf_file=...)`, ~1.7 s with its import) and
+saves the result under the cache (weight_cache.py). Every later load reads `tokenizer.json`
+with the `tokenizers` library (~0.1 s) and never imports transformers (~1-2 s here).
 
 `Tokenizer` is the part of a transformers fast tokenizer eaglekv calls: `encode`, `decode`,
 `apply_chat_template` (rendered as transformers renders it: a sandboxed Jinja environment with
@@ -101,8 +101,9 @@ class Tokenizer:
 def convert_gguf_tokenizer(path: Path) -> Tokenizer:
     """transformers' tokenizer of the GGUF (imports transformers), as a `Tokenizer`: its
     backend as transformers set it up (post-processor for BOS/EOS included)."""
-    from transformers import AutoTokenizer
-    hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    from transformers import PreTrainedTokenizerFast   # AutoTokenizer: the same, 5 s slower
+    hf = PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name,
+                                                 local_files_only=True)
     config = {n: getattr(hf, n, None) for n in SPECIAL}
     return Tokenizer(hf.backend_tokenizer, {**config, "chat_template": hf.chat_template})
 
