@@ -22,6 +22,7 @@ from eaglekv.attention.backend import AttentionBackend
 from eaglekv.core import ForwardBatch
 from eaglekv.kernels.attention import decode_attention, default_num_splits, extend_attention
 from eaglekv.kernels.fused import rope_store_qkv
+from eaglekv.kernels.guard import guard_segments
 from eaglekv.memory import KVPool, ReqToTokenPool
 from eaglekv.model.rope import RotaryEmbedding
 
@@ -87,7 +88,13 @@ class TritonAttentionBackend(AttentionBackend):
     def indexed_decode_metadata(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                                 kv_len: torch.Tensor, out_cache_loc: torch.Tensor,
                                 max_kv_len: int) -> TritonAttnMetadata:
-        """As `init_decode_metadata` with the lengths on the device (n,) and a host bound."""
+        """As `init_decode_metadata` with the lengths on the device (n,) and a host bound.
+        CPU: the offsets must be the packed segments' starts (`guard_segments`), and the
+        ownership checked mode checks the reads."""
+        if not kv_indptr.is_cuda:
+            lens = tuple(kv_len.tolist())
+            kv_indptr = guard_segments(kv_indptr, lens, kv_indices.shape[0], "draft kv_indptr")
+            self.kv_pool.check_segment_reads(kv_indices, kv_indptr, lens)
         meta = self.decode_metadata(kv_indptr, kv_len, out_cache_loc, max_kv_len)
         meta.table = kv_indices
         return meta

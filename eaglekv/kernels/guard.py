@@ -179,13 +179,16 @@ def guard_segments(starts: torch.Tensor, lens: tuple[int, ...], width: int,
     """Offsets of n packed segments into a buffer of `width` entries (a draft step's
     kv_indptr into its kv_indices row): segment i is `[starts[i], starts[i] + lens[i])` and
     starts at `sum(lens[:i])`, the end of the one before; an offset anywhere else reads
-    another branch's slots or past the buffer. CPU: checked at once (`KVIndexError` naming
+    another branch's slots or past the buffer (an empty segment, a padded graph row, may
+    start anywhere). CPU: checked at once (`KVIndexError` naming
     the first wrong offset and where it had to be); CUDA: the range alone, through the device
     error buffer (no sync)."""
     n = len(lens)
     if not starts.is_cuda:
         want = 0
         for i, s in enumerate(starts[:n].tolist()):
+            if not lens[i]:       # reads nothing (a padded graph row): any offset will do
+                continue
             if s != want or want + lens[i] > width:
                 raise KVIndexError(f"{op} (segment {i} of {n} starts at {want})", s,
                                    want + 1 if want + lens[i] <= width else width, 1, n,

@@ -103,6 +103,19 @@ class KVPool:
             self.owners.check_reads(op, kv_idx)
         return kv_idx
 
+    def check_segment_reads(self, kv_indices: torch.Tensor, starts: torch.Tensor,
+                            lens: tuple[int, ...]) -> None:
+        """In the ownership checked mode, the reads of n sequences whose slots are
+        `kv_indices[starts[i] : starts[i] + lens[i]]` (a draft step's branches): each reads
+        the committed K/V of one request only. Nothing to do when the mode is off."""
+        if self.owners is None or not lens:
+            return
+        pos = torch.arange(max(lens), device=starts.device)                     # (Smax,)
+        valid = pos[None, :] < torch.tensor(lens, device=starts.device)[:, None]  # (n, Smax)
+        flat = torch.where(valid, starts[:len(lens), None].to(torch.int64) + pos[None, :], 0)
+        slots = torch.where(valid, kv_indices[flat].to(torch.int64), 0)          # (n, Smax)
+        self.owners.check_reads("attention kv gather", slots)
+
     def get_kv_buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_layer(layer)
         return self.k_buffer[layer], self.v_buffer[layer]

@@ -2,8 +2,9 @@
 a tiny random model: one corrupt index per case (negative, equal to the limit, huge, a valid
 slot of another request) must end in KVIndexError naming the path and the value, with the
 canary rows around every pool and every request's committed K/V unchanged, and the engine
-serving the next request exactly; each path on two or three engine configurations (plain,
-EAGLE chain and tree, page sizes 1 and 4, multi-layer EAGLE, DecodeGraphs' static buffers).
+serving the next request exactly; each path on two to four engine configurations (plain,
+EAGLE chain and tree, page sizes 1 and 4, multi-layer EAGLE, the Triton backend's host side,
+DecodeGraphs' static buffers).
 The cases live in eaglekv/testing/faults.py; with
 EAGLEKV_FAULT_TABLE=1 this module also writes bench/results/fault_table_cpu.{md,json}."""
 
@@ -31,15 +32,20 @@ CONFIGS = {   # engine options of each configuration a path is tried on
     "eagle_tree": {"speculative": spec("eagle", 3, 2, 5)},
     "eagle_tree_ps4": {"speculative": spec("eagle", 3, 2, 5), "page_size": 4},
     "multi_layer": {"speculative": spec("multi_layer_eagle", 3)},
+    # the Triton backend's host side (its kernels' PyTorch references on CPU)
+    "plain_triton": {"attention_backend": "triton"},
+    "eagle_tree_triton": {"speculative": spec("eagle", 3, 2, 5),
+                          "attention_backend": "triton"},
 }
+TREE = ["eagle_tree", "eagle_tree_ps4", "eagle_chain", "eagle_tree_triton"]
 VARIANTS = {
-    "store_cache": ["plain", "plain_ps4", "eagle_tree"],
-    "move_kv": ["eagle_chain", "eagle_tree_ps4", "multi_layer"],
-    "req_to_token": ["plain", "plain_ps4", "eagle_tree"],
-    "draft_out_cache_loc": ["eagle_tree", "eagle_tree_ps4", "eagle_chain"],
-    "draft_kv_indices": ["eagle_tree", "eagle_tree_ps4", "eagle_chain"],
-    "draft_kv_indptr": ["eagle_tree", "eagle_tree_ps4", "eagle_chain"],
-    "tree_retrieve": ["eagle_tree", "eagle_chain", "multi_layer"],
+    "store_cache": ["plain", "plain_ps4", "eagle_tree", "eagle_tree_triton"],
+    "move_kv": ["eagle_chain", "eagle_tree_ps4", "multi_layer", "eagle_tree_triton"],
+    "req_to_token": ["plain", "plain_ps4", "eagle_tree", "plain_triton"],
+    "draft_out_cache_loc": TREE,
+    "draft_kv_indices": TREE,
+    "draft_kv_indptr": TREE,
+    "tree_retrieve": ["eagle_tree", "eagle_chain", "multi_layer", "eagle_tree_triton"],
     "graph_padded_rows": ["graphs", "graphs_ps4"],
 }
 assert set(VARIANTS) == set(PATHS)
