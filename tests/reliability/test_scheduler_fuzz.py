@@ -1,7 +1,7 @@
 """Scheduler fuzzing (issue 16, hypothesis): random arrivals, prompt lengths, budgets, stop
 ids, sampling and cancellations (abort, queued or running) on small KV pools (so the engine
 preempts and recomputes; a request larger than the pool is refused with RequestError), plain
-and EAGLE, page sizes 1 and 4, prefill whole or chunked. The
+and EAGLE (chain, tree, multi-layer), page sizes 1 and 4, prefill whole or chunked. The
 ownership checked mode is on. After every step the allocator's and the row pool's books
 balance and agree with the requests' req_to_token rows (`Engine.check_memory`), and no step
 writes, moves or frees a slot it does not own; every request ends (length, stop or abort) in
@@ -31,7 +31,8 @@ requests = st.lists(st.fixed_dictionaries({
 }), min_size=1, max_size=8)
 
 engine_kinds = st.fixed_dictionaries({
-    "spec": st.sampled_from([None, spec("eagle", 3, 1, 4), spec("eagle", 2, 2, 4)]),
+    "spec": st.sampled_from([None, spec("eagle", 3, 1, 4), spec("eagle", 2, 2, 4),
+                             spec("multi_layer_eagle", 2)]),
     "page_size": st.sampled_from([1, 4]),
     "max_running_requests": st.sampled_from([2, 3, 4]),
     "chunked_prefill_size": st.sampled_from([None, 3, 16]),
