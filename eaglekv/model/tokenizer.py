@@ -100,12 +100,14 @@ class Tokenizer:
 
 def convert_gguf_tokenizer(path: Path) -> Tokenizer:
     """transformers' tokenizer of the GGUF (imports transformers), as a `Tokenizer`: its
-    backend as transformers set it up (post-processor for BOS/EOS included)."""
-    from transformers import PreTrainedTokenizerFast   # AutoTokenizer: the same, 5 s slower
+    backend as transformers set it up (post-processor for BOS/EOS included). The gguf_file
+    path of PreTrainedTokenizerFast exists across releases (5.17 lacks the newer
+    `integrations.gguf` converter); AutoTokenizer builds the same object 5 s slower."""
+    from transformers import PreTrainedTokenizerFast
     hf = PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name,
                                                  local_files_only=True)
-    config = {n: getattr(hf, n, None) for n in SPECIAL}
-    return Tokenizer(hf.backend_tokenizer, {**config, "chat_template": hf.chat_template})
+    keep = {k: getattr(hf, k, None) for k in (*SPECIAL, "chat_template")}
+    return Tokenizer(hf.backend_tokenizer, {k: v for k, v in keep.items() if isinstance(v, str)})
 
 
 def load_gguf_tokenizer(path: Path) -> Tokenizer:
