@@ -19,6 +19,8 @@ still returns q for every token (rotated by position 0 where the position is bad
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -124,7 +126,12 @@ def silu_and_mul(gate_up: torch.Tensor, *, checked: bool = True) -> torch.Tensor
 # ----------------------------------------------------------------------------- norm_matmul
 
 NORM_MATMUL_MAX_ROWS = 64    # decode, draft and small verify batches; larger ones: cuBLAS
-FUSE_NORM_MATMUL = True      # False: the separate ops always (the bench's before/after)
+# Off by default: measured on the H200 (bench/results/gpu_bench_h200_norm_matmul.json) the
+# one kernel is slower than the cuBLAS matmul beside the two small Triton kernels it replaces
+# (SmolLM2 batch 1: 229 kernels a step instead of 319, but 1.01 ms of device time instead of
+# 0.85; Llama-8B shape 6.83 ms a step instead of 5.24): its grid has too few programs at
+# M <= 64 to stream the weights at full bandwidth. EAGLEKV_FUSE_NORM_MATMUL=1 turns it on.
+FUSE_NORM_MATMUL = os.environ.get("EAGLEKV_FUSE_NORM_MATMUL") == "1"
 
 
 def _check_norm_matmul(x, residual, norm_weight, w, silu_mul) -> None:
@@ -158,7 +165,8 @@ def norm_matmul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     """add_rms_norm -> matmul (-> silu_and_mul) in one kernel: the first matmul of a decoder
     layer's attention (`w` = qkv) and of its MLP (`w` = [gate | up], silu_mul). x, residual
     (M, K); norm_weight (K,); w (K, N) -> (y (M, N), or (M, N/2) with silu_mul; new residual
-    (M, K)). The Triton kernel takes M <= NORM_MATMUL_MAX_ROWS (a decode-sized batch: three
+    (M, K)). With FUSE_NORM_MATMUL (off by default: slower than cuBLAS on the H200, see
+    there) the Triton kernel takes M <= NORM_MATMUL_MAX_ROWS (a decode-sized batch: three
     launches become one); otherwise the separate ops run, the matmul through `matmul(h, w)`
     (default `h @ w`)."""
     if FUSE_NORM_MATMUL and use_triton(x) and x.shape[0] <= NORM_MATMUL_MAX_ROWS:

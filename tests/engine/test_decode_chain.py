@@ -66,10 +66,13 @@ def test_config():
         EngineConfig(num_scheduler_steps=0)
 
 
-@pytest.mark.parametrize("steps,page_size", [(8, 1), (3, 4)])
-def test_chain_equals_single_steps(tiny_dir, reference, steps, page_size):
+@pytest.mark.parametrize("steps,page_size,fused", [(8, 1, False), (3, 4, False), (8, 1, True)])
+def test_chain_equals_single_steps(tiny_dir, reference, steps, page_size, fused, monkeypatch):
     """Different budgets per request (the chain shrinks to the smallest left), batch 3 in
-    the 4-row bucket, then fewer rows as requests finish: the same tokens, fewer steps."""
+    the 4-row bucket, then fewer rows as requests finish: the same tokens, fewer steps.
+    `fused`: the layers run the norm_matmul kernel (off by default)."""
+    from eaglekv.kernels import fused as fused_ops
+    monkeypatch.setattr(fused_ops, "FUSE_NORM_MATMUL", fused)
     engine = chain_engine(tiny_dir, steps, page_size=page_size)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 5, 9)]
     reqs, nsteps = run_checked(engine, PROMPTS, params)
