@@ -45,7 +45,9 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not): the server
+        # tokenizes a large prompt on a worker thread while the engine thread keeps streaming
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
