@@ -45,6 +45,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch captured as a CUDA graph (default: "
                    "--max-running-requests)")
+    p.add_argument("--num-scheduler-steps", type=int, default=None,
+                   help="greedy decode steps per engine step, one sync for all (default: 8 "
+                   "with CUDA graphs, else 1)")
     # No defaults here: spec_config fills them from SpecConfig, and `serve` can tell a flag given.
     # The second names are SGLang's.
     p.add_argument("--spec", "--speculative-algorithm", type=str.lower, choices=SPEC_ALGORITHMS,
@@ -69,7 +72,8 @@ def kernel_options(args) -> dict:
     """The engine's kernel and graph flags, as EngineConfig fields."""
     return {"attention_backend": args.attention_backend,
             "disable_cuda_graph": args.disable_cuda_graph,
-            "cuda_graph_max_bs": args.cuda_graph_max_bs}
+            "cuda_graph_max_bs": args.cuda_graph_max_bs,
+            "num_scheduler_steps": args.num_scheduler_steps}
 
 
 def chunk_arg(value: int | None) -> int | str | None:
