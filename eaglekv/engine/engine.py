@@ -22,7 +22,7 @@ from eaglekv.core import Output, SpecStats, StreamDelta
 from eaglekv.engine.memory_plan import plan_kv_size
 from eaglekv.engine.request import Req
 from eaglekv.engine.scheduler import Scheduler
-from eaglekv.errors import ConfigError, KVIndexError, RequestError
+from eaglekv.errors import ConfigError, RequestError
 from eaglekv.memory import KVPool, ReqToTokenPool, SlotAllocator
 from eaglekv.model import LlamaForCausalLM
 from eaglekv.model.llama import cpu_blas_threads
@@ -176,7 +176,9 @@ class Engine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Plan, run, commit; returns the step's requests. A KVIndexError fails only them."""
+        """Plan, run, commit; returns the step's requests. An error inside the runner (a
+        KVIndexError, or anything else) fails only them: their KV and rows are freed, the
+        slots the step took included, and the error is raised; the engine keeps serving."""
         plan = self.scheduler.schedule()
         if not plan.reqs:
             return []
@@ -184,7 +186,7 @@ class Engine:
             if self.owners is not None:   # checked mode: rows hold only their own slots
                 self.owners.begin_step(self.running, plan)
             result = self.runner.run(plan)
-        except KVIndexError:
+        except Exception:
             if self.owners is not None:   # a release then frees only the request's own
                 self.owners.scrub(plan.reqs)
             self.scheduler.fail(plan)

@@ -182,3 +182,31 @@ def test_generate_raises_the_failed_requests_error(tiny_dir):
     assert eng.allocator.is_full()
     # the engine goes on serving
     assert eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=3))[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_runner_error_fails_its_step_alone(tiny_dir, spec):
+    """An exception other than KVIndexError inside the runner (a bug, a device error): the
+    step's requests fail with their KV and the slots the step took freed, the error is
+    raised, and the engine serves the next request exactly (before, the requests kept
+    running over slots whose K/V were never written)."""
+    from helpers import spec as spec_cfg
+    opts = {"speculative": spec_cfg("eagle", 3, 1, 4)} if spec else {}
+    engine = tiny_engine(tiny_dir, max_running_requests=4, **opts)
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    ref = engine.generate([[5, 17, 42]], sp)[0].token_ids
+    reqs = [engine.add_request(p, sp) for p in ([5, 17, 42], [9] * 7)]
+    engine.step()
+    engine.step()
+    run = engine.runner.run
+
+    def broken(plan):
+        raise RuntimeError("device fell over")
+    engine.runner.run = broken
+    with pytest.raises(RuntimeError, match="device fell over"):
+        engine.step()
+    engine.runner.run = run
+    assert [r.finish_reason for r in reqs] == ["error", "error"]
+    assert not engine.running and engine.allocator.is_full()
+    engine.check_memory()
+    assert engine.generate([[5, 17, 42]], sp)[0].token_ids == ref
