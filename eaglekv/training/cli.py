@@ -39,12 +39,30 @@ def cmd_prompts(args) -> None:
           f"{min(lens)}-{max(lens)} tokens (mean {sum(lens) / len(lens):.1f}) -> {args.out}")
 
 
+def eagle3_seqs(args) -> list[dict]:
+    """The sequences an EAGLE-3 head trains on: `--data` (save_seqs) or `--data-dir` (gen-data)."""
+    if args.data:
+        return load_seqs(args.data)
+    if args.data_dir:
+        from eaglekv.training.selfgen import load_dataset
+        return load_dataset(args.data_dir)
+    raise SystemExit("train --algorithm eagle3 needs --data or --data-dir (sequences made by "
+                     "`eaglekv train-draft gen-data`)")
+
+
 def cmd_train(args, command_line: str | None = None) -> None:
     """`command_line` is recorded in the log (default: this process's `python -m` form)."""
     from eaglekv.model.draft_checkpoint import save_eagle_draft
     T0 = time.time()
     if command_line is None:
         command_line = MODULE_COMMAND + " " + " ".join(sys.argv[1:])
+    if args.algorithm == "eagle3":
+        from eaglekv.training.cli_eagle3 import cmd_train_eagle3
+        cmd_train_eagle3(args, eagle3_seqs(args), command_line,
+                         lambda msg: print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True))
+        return
+    if not args.prompts:
+        raise SystemExit("train --algorithm eagle needs --prompts")
     log = {"command": command_line,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
@@ -148,8 +166,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--raw-frac", type=float, default=0.15)
     a.add_argument("--out", required=True)
     b = sub.add_parser("train", help="generate, extract features, train, save")
+    b.add_argument("--algorithm", choices=("eagle", "eagle3"), default="eagle")
     b.add_argument("--model", default="default")
-    b.add_argument("--prompts", required=True)
+    b.add_argument("--prompts", default=None, help="eagle: prompts to generate from")
     b.add_argument("--out", required=True, help="directory for config.json + model.safetensors")
     b.add_argument("--log", default=None)
     b.add_argument("--device", default="auto")
@@ -179,6 +198,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--eval-every-s", type=float, default=60.0)
     b.add_argument("--chain-steps", type=int, default=3)
     b.add_argument("--seed", type=int, default=0)
+    e = b.add_argument_group("eagle3")
+    e.add_argument("--data-dir", default=None, help="sequences written by `gen-data`")
+    e.add_argument("--draft-vocab", type=int, default=16384, help="draft vocabulary size")
+    e.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll")
+    e.add_argument("--ckpt", default=None, help="trainer state, saved every 2 min and at the end")
+    e.add_argument("--resume", action="store_true", help="continue from --ckpt")
 
 
 def build_parser() -> argparse.ArgumentParser:

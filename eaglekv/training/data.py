@@ -110,18 +110,18 @@ class FeatureData:
         return self.tokens[idx], self.feats[idx], idx != self.pad_row
 
 
-@torch.no_grad()
-def extract_features(model, seqs: list[dict], *, max_batch_tokens: int = 65536) -> FeatureData:
-    """f = the target's final-norm hidden state at every position (HF `hidden_states[-1]`)."""
-    dev = next(model.parameters()).device
-    H = model.config.hidden_size
-    lens = [len(s["ids"]) for s in seqs]
+def flat_offsets(seqs: list[dict]) -> list[int]:
+    """Start of each sequence in the flat packing, and the total at the end (len + 1 entries)."""
     offsets = [0]
-    for n in lens:
-        offsets.append(offsets[-1] + n)
-    N = offsets[-1]
-    tokens = torch.zeros(N + 1, dtype=torch.long, device=dev)
-    feats = torch.zeros(N + 1, H, dtype=torch.float32, device=dev)
+    for s in seqs:
+        offsets.append(offsets[-1] + len(s["ids"]))
+    return offsets
+
+
+def padded_groups(seqs: list[dict], max_batch_tokens: int, device):
+    """Yield (which, ids (b, T), mask (b, T)) on `device`: sequences in length order, grouped so
+    that a group's padded size stays within `max_batch_tokens` (one sequence at least)."""
+    lens = [len(s["ids"]) for s in seqs]
     order = sorted(range(len(seqs)), key=lambda i: lens[i])
     s = 0
     while s < len(order):
@@ -135,12 +135,25 @@ def extract_features(model, seqs: list[dict], *, max_batch_tokens: int = 65536) 
         for b, i in enumerate(which):
             ids[b, :lens[i]] = torch.tensor(seqs[i]["ids"])
             mask[b, :lens[i]] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
+        yield which, ids.to(device), mask.to(device)
+        s = e
+
+
+@torch.no_grad()
+def extract_features(model, seqs: list[dict], *, max_batch_tokens: int = 65536) -> FeatureData:
+    """f = the target's final-norm hidden state at every position (HF `hidden_states[-1]`)."""
+    dev = next(model.parameters()).device
+    H = model.config.hidden_size
+    offsets = flat_offsets(seqs)
+    N = offsets[-1]
+    tokens = torch.zeros(N + 1, dtype=torch.long, device=dev)
+    feats = torch.zeros(N + 1, H, dtype=torch.float32, device=dev)
+    for which, ids, mask in padded_groups(seqs, max_batch_tokens, dev):
         h = model.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
         for b, i in enumerate(which):
-            tokens[offsets[i]:offsets[i + 1]] = ids[b, :lens[i]]
-            feats[offsets[i]:offsets[i + 1]] = h[b, :lens[i]]
-        s = e
+            n = offsets[i + 1] - offsets[i]
+            tokens[offsets[i]:offsets[i + 1]] = ids[b, :n]
+            feats[offsets[i]:offsets[i + 1]] = h[b, :n]
     return FeatureData(seqs, tokens, feats, offsets[:-1])
 
 

@@ -24,12 +24,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, H, heads, kv_heads, D):
+    """q/k/v read `in_features` (H; 2H in an EAGLE-3 midlayer), o_proj writes H."""
+
+    def __init__(self, H, heads, kv_heads, D, in_features=None):
         super().__init__()
         self.heads, self.kv_heads, self.D = heads, kv_heads, D
-        self.q_proj = nn.Linear(H, heads * D, bias=False)
-        self.k_proj = nn.Linear(H, kv_heads * D, bias=False)
-        self.v_proj = nn.Linear(H, kv_heads * D, bias=False)
+        n_in = H if in_features is None else in_features
+        self.q_proj = nn.Linear(n_in, heads * D, bias=False)
+        self.k_proj = nn.Linear(n_in, kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(n_in, kv_heads * D, bias=False)
         self.o_proj = nn.Linear(heads * D, H, bias=False)
 
 
@@ -50,6 +53,19 @@ class Layer(nn.Module):
         self.self_attn = Attention(H, heads, kv_heads, D)
         self.mlp = MLP(H, I)
         self.post_attention_layernorm = RMSNorm(H, eps)
+
+
+def init_params(module: nn.Module, std: float, seed: int) -> None:
+    """Norm weights 1, biases 0, every other parameter ~ N(0, std) from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
 def rotate_half(x):
@@ -73,15 +89,7 @@ class EagleHead(nn.Module):
                                            intermediate_size, rms_norm_eps)])
         inv = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         self.register_buffer("inv_freq", inv.float(), persistent=False)
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name == "fc.bias":
-                    p.zero_()
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) * init_std)
+        init_params(self, init_std, seed)
 
     @property
     def layer(self) -> Layer:

@@ -1,0 +1,106 @@
+"""`eaglekv train-draft train --algorithm eagle3 ...`: data -> features of the three captured
+layers -> draft vocabulary by frequency -> TTT training -> the published EAGLE-3 checkpoint and
+a JSON log (data, vocabulary coverage, recipe, held-out figures, device time)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def split_ids(seqs: list[dict], eval_every: int) -> tuple[list[int], list[int]]:
+    """(train, held-out) sequence indices: a sequence flagged `held_out` (selfgen's held-out
+    topics) is never trained on; otherwise every `eval_every`-th is held out."""
+    flagged = any("held_out" in s for s in seqs)
+    held = [i for i, s in enumerate(seqs)
+            if (s.get("held_out") if flagged else i % eval_every == 0)]
+    hs = set(held)
+    return [i for i in range(len(seqs)) if i not in hs], held
+
+
+def response_tokens(seqs: list[dict], which: list[int]) -> torch.Tensor:
+    """The response tokens of sequences `which` (what the draft is asked to predict)."""
+    return torch.tensor([t for i in which for t in seqs[i]["ids"][seqs[i]["n_prompt"]:]],
+                        dtype=torch.int64)
+
+
+def cmd_train_eagle3(args, seqs: list[dict], command_line: str, out) -> dict:
+    from eaglekv.model.draft_io import save_draft_dir
+    from eaglekv.model.eagle3 import Eagle3DraftModel
+    from eaglekv.training.data import load_target
+    from eaglekv.training.eagle3_data import extract_eagle3_features
+    from eaglekv.training.eagle3_head import eagle3_head_for_target
+    from eaglekv.training.eagle3_loop import Targets, evaluate_eagle3, train_eagle3
+    from eaglekv.training.vocab import choose_draft_vocab
+    t_start = time.time()
+    log = {"command": command_line, "algorithm": "eagle3",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    dev = torch.device(args.device if args.device != "auto" else
+                       ("cuda" if torch.cuda.is_available() else "cpu"))
+    log["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(args.seed)
+    # 1. target and its features
+    model, cfg = load_target(args.model, dev, torch.float32)
+    aux_layers = Eagle3DraftModel.aux_layers(cfg.num_layers)
+    train_ids, eval_ids = split_ids(seqs, args.eval_every)
+    t = time.time()
+    data = extract_eagle3_features(model, seqs, aux_layers,
+                                   dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    log["feature_seconds"] = round(time.time() - t, 1)
+    embed = model.get_input_embeddings().weight.detach()
+    lm_head = model.get_output_embeddings().weight.detach()
+    final_norm = model.model.norm.weight.detach()
+    del model
+    log["data"] = {"sequences": len(seqs), "tokens": data.num_tokens,
+                   "train_sequences": len(train_ids), "held_out_sequences": len(eval_ids),
+                   "train_response_tokens": int(sum(len(seqs[i]["ids"]) - seqs[i]["n_prompt"]
+                                                    for i in train_ids)),
+                   "greedy": sum(bool(s["greedy"]) for s in seqs), "aux_layers": list(aux_layers)}
+    out(f"features of {data.num_tokens} tokens in {log['feature_seconds']}s: {log['data']}")
+    # 2. the draft vocabulary: the most frequent response tokens of the training sequences
+    eos = tuple(sorted(set(cfg.eos_token_ids)))
+    vocab = choose_draft_vocab(response_tokens(seqs, train_ids), cfg.vocab_size,
+                               min(args.draft_vocab, cfg.vocab_size), always=eos)
+    log["vocab"] = {"draft_vocab_size": vocab.size, "target_vocab_size": cfg.vocab_size,
+                    "coverage_train": vocab.coverage(response_tokens(seqs, train_ids)),
+                    "coverage_held_out": vocab.coverage(response_tokens(seqs, eval_ids))}
+    out(f"draft vocabulary: {log['vocab']}")
+    # 3. the head, its output side initialised from the target's
+    head, cfg_dict = eagle3_head_for_target(cfg, vocab, seed=args.seed)
+    head.init_from_target(lm_head, final_norm)
+    head.to(dev)
+    tg = Targets(embed, lm_head, vocab.target_ids)
+    log["head_params"] = sum(p.numel() for p in head.parameters())
+    log["recipe"] = {"lr": args.lr, "warmup": args.warmup, "ttt_steps": args.ttt_steps,
+                     "step_weight": "0.8^s", "schedule": "cosine to 0.1 over max_steps or budget",
+                     "optimizer": "AdamW(0.9, 0.95), wd 0, clip 0.5", "amp_bf16": args.amp,
+                     "max_tokens_per_batch": args.max_tokens, "seed": args.seed,
+                     "loss": "CE(softmax(target logits on draft vocab), draft) per TTT step",
+                     "init": "lm_head, norm from the target; the rest N(0, 0.02), norms 1"}
+    budget = args.train_budget if args.deadline <= 0 else \
+        min(args.train_budget, args.deadline - (time.time() - t_start))
+    res = train_eagle3(head, tg, data, train_ids, eval_ids, steps=args.ttt_steps, lr=args.lr,
+                       time_budget=budget, max_steps=args.max_steps, max_tokens=args.max_tokens,
+                       warmup=args.warmup, amp=args.amp, seed=args.seed, ckpt=args.ckpt,
+                       resume=args.resume, eval_every_s=args.eval_every_s, out=out)
+    log.update(res)
+    # 4. save (bf16), then the held-out figures of the saved weights
+    sd = head.published_state_dict(torch.bfloat16)
+    save_draft_dir(args.out, cfg_dict, sd, "safetensors")
+    out(f"saved {args.out}")
+    head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sd.items()},
+                         strict=False)
+    if eval_ids:
+        log["held_out_saved_bf16"] = evaluate_eagle3(head, tg, data, eval_ids, steps=args.ttt_steps,
+                                                     max_tokens=args.max_tokens, amp=args.amp)
+        out(f"held-out (saved weights): {log['held_out_saved_bf16']['accept_length']}")
+    log["total_seconds"] = round(time.time() - t_start, 1)
+    if args.log:
+        Path(args.log).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.log).write_text(json.dumps(log, indent=1))
+    return log

@@ -1,0 +1,72 @@
+"""What an EAGLE-3 head learns from: the target's features of every position of the generated data.
+
+For each position j of each sequence, one target forward gives
+- aux_j (3H): the outputs of the three captured layers, concatenated in layer order (what the
+  engine's `LlamaForCausalLM.forward(capture_layers=...)` hands the draft). Hugging Face's
+  `hidden_states[i + 1]` is layer i's output (index 0 is the embedding);
+- final_j (H): the final-norm hidden state, which the LM head reads, so the target's logits over
+  any vocabulary subset are `final_j @ lm_head[ids].T` (computed per batch, not stored);
+- argmax_j: the target's argmax over its full vocabulary (greedy verify's token).
+Packed flat on the device (bf16 features), row N the padding row, as `FeatureData` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eaglekv.training.data import FeatureData, flat_offsets, padded_groups
+
+
+class Eagle3Data(FeatureData):
+    """tokens (N+1,), aux (N+1, 3H), feats = final (N+1, H), argmax (N+1,), offsets."""
+
+    def __init__(self, seqs, tokens, aux, final, argmax, offsets):
+        super().__init__(seqs, tokens, final, offsets)
+        self.aux, self.argmax = aux, argmax
+
+    def batch3(self, which: list[int]):
+        """ids (B, T), aux (B, T, 3H), final (B, T, H), argmax (B, T), mask (B, T) of sequences
+        `which`, right padded; mask = the position is in the sequence and its next token is a
+        response token (j >= n_prompt - 1), i.e. its prediction is one a draft is asked for."""
+        T = max(len(self.seqs[i]["ids"]) for i in which)
+        idx = torch.full((len(which), T), self.pad_row, dtype=torch.long)
+        start = torch.zeros(len(which), 1, dtype=torch.long)
+        for b, i in enumerate(which):
+            n = len(self.seqs[i]["ids"])
+            idx[b, :n] = torch.arange(self.offsets[i], self.offsets[i] + n)
+            start[b] = max(self.seqs[i]["n_prompt"] - 1, 0)
+        idx = idx.to(self.tokens.device)
+        mask = (idx != self.pad_row) & (torch.arange(T, device=idx.device) >= start.to(idx.device))
+        return self.tokens[idx], self.aux[idx], self.feats[idx], self.argmax[idx], mask
+
+
+@torch.no_grad()
+def extract_eagle3_features(model, seqs: list[dict], aux_layers: tuple[int, ...], *,
+                            max_batch_tokens: int = 65536, dtype=torch.bfloat16) -> Eagle3Data:
+    """`model`: the Hugging Face target (training/data.py `load_target`); `aux_layers`: layer
+    output ids (Eagle3DraftModel.aux_layers). Features stored in `dtype` on the model's device."""
+    dev = next(model.parameters()).device
+    H = model.config.hidden_size
+    L = model.config.num_hidden_layers
+    if not all(0 <= i < L - 1 for i in aux_layers):
+        raise ValueError(f"aux layers {list(aux_layers)} must be outputs of layers [0, {L - 1}) "
+                         f"(the last layer's output is only seen after the final norm)")
+    lm_head = model.get_output_embeddings().weight                           # (V, H)
+    offsets = flat_offsets(seqs)
+    N = offsets[-1]
+    tokens = torch.zeros(N + 1, dtype=torch.long, device=dev)
+    aux = torch.zeros(N + 1, 3 * H, dtype=dtype, device=dev)
+    final = torch.zeros(N + 1, H, dtype=dtype, device=dev)
+    argmax = torch.zeros(N + 1, dtype=torch.long, device=dev)
+    for which, ids, mask in padded_groups(seqs, max_batch_tokens, dev):
+        out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        a = torch.cat([out.hidden_states[i + 1] for i in aux_layers], -1)   # (b, T, 3H)
+        f = out.last_hidden_state                                            # (b, T, H)
+        top = (f @ lm_head.t()).argmax(-1)                                   # (b, T)
+        for b, i in enumerate(which):
+            sl, n = slice(offsets[i], offsets[i + 1]), offsets[i + 1] - offsets[i]
+            tokens[sl] = ids[b, :n]
+            aux[sl] = a[b, :n].to(dtype)
+            final[sl] = f[b, :n].to(dtype)
+            argmax[sl] = top[b, :n]
+    return Eagle3Data(seqs, tokens, aux, final, argmax, offsets[:-1])

@@ -1,0 +1,214 @@
+"""EAGLE-3 head training (eaglekv.training) on a tiny random 8-layer target, on the CPU: the
+draft vocabulary round-trips; the features are the engine's captured layers; the TTT unroll
+equals the engine's draft run step by step over its paged KV cache; training lowers the loss and
+raises the greedy chain's accept length above a random head's; a resumed run equals an
+uninterrupted one; the saved head loads in the engine and stays lossless."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from draft_helpers import DraftRunner
+from eaglekv.attention import TorchAttentionBackend
+from eaglekv.memory import KVPool
+from eaglekv.model.eagle3 import Eagle3DraftModel
+from eaglekv.model.eagle3_checkpoint import Eagle3DraftConfig, load_eagle3_draft
+from eaglekv.model.llama import LlamaForCausalLM
+from eaglekv.model.loader import load_hf_dir
+from eaglekv.training.data import generate, load_target
+from eaglekv.training.eagle3_data import extract_eagle3_features
+from eaglekv.training.eagle3_head import eagle3_head_for_target
+from eaglekv.training.eagle3_loop import Targets, evaluate_eagle3, train_eagle3
+from eaglekv.training.ttt import ttt_loss, ttt_unroll
+from eaglekv.training.vocab import DraftVocab, choose_draft_vocab
+from helpers import make_tiny, tiny_engine
+
+AUX = (1, 3, 4)      # Eagle3DraftModel.aux_layers(8)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny8")
+    make_tiny(path, num_hidden_layers=8, tie_word_embeddings=True, rope_theta=100000.0)
+    model, cfg = load_target(str(path), "cpu")
+    rng = random.Random(0)
+    prompts = [{"ids": [rng.randrange(3, 256) for _ in range(rng.randrange(3, 9))],
+                "chat": True} for _ in range(48)]
+    seqs = generate(model, prompts[:32], batch=16, max_new=24, greedy=True, temperature=1.0,
+                    top_p=1.0, eos=[2], pad=2)
+    seqs += generate(model, prompts[32:], batch=16, max_new=24, greedy=False, temperature=0.7,
+                     top_p=0.95, eos=[2], pad=2)
+    data = extract_eagle3_features(model, seqs, AUX, max_batch_tokens=512, dtype=torch.float32)
+    return path, model, cfg, data
+
+
+def fresh_head(cfg, data, size=96, seed=0):
+    vocab = choose_draft_vocab(data.tokens[:-1], cfg.vocab_size, size, always=(2,))
+    head, cfg_dict = eagle3_head_for_target(cfg, vocab, seed=seed)
+    return head, cfg_dict
+
+
+def test_draft_vocab_by_frequency_round_trips():
+    ids = torch.tensor([5, 5, 5, 7, 7, 9, 1, 1, 1, 1, 3])
+    v = choose_draft_vocab(ids, 12, 3, always=(11,))
+    assert v.target_ids.tolist() == [1, 5, 11]                  # top-2 by count, plus EOS 11
+    assert v.d2t.tolist() == [1, 4, 9] and v.t2d.nonzero().flatten().tolist() == [1, 5, 11]
+    w = DraftVocab.from_maps(v.d2t, v.t2d)
+    assert torch.equal(w.target_ids, v.target_ids)
+    idx = v.draft_index()
+    assert idx[v.target_ids].tolist() == [0, 1, 2] and int((idx >= 0).sum()) == 3
+    assert v.coverage(ids) == pytest.approx(7 / 11)
+    # ties: lower id first; fewer distinct tokens than the size fills in id order
+    assert choose_draft_vocab(torch.tensor([4, 2, 4, 2]), 6, 3).target_ids.tolist() == [0, 2, 4]
+    with pytest.raises(ValueError, match="token id 12 outside the target vocabulary"):
+        choose_draft_vocab(torch.tensor([12]), 12, 2)
+    with pytest.raises(ValueError, match="size 13 must be in"):
+        choose_draft_vocab(ids, 12, 13)
+    with pytest.raises(ValueError, match="different vocabularies"):
+        DraftVocab.from_maps(v.d2t, torch.zeros(12, dtype=torch.bool))
+
+
+def test_features_are_the_engines_captured_layers(setup):
+    path, model, cfg, data = setup
+    tcfg, tsd = load_hf_dir(path)
+    target = LlamaForCausalLM(tcfg, tsd, torch.float32)
+    assert Eagle3DraftModel.aux_layers(tcfg.num_layers) == AUX
+    s = data.seqs[5]
+    ids = torch.tensor(s["ids"])
+    head, cfg_dict = fresh_head(cfg, data)
+    sd = head.published_state_dict(torch.float32)
+    draft = Eagle3DraftModel(Eagle3DraftConfig.from_dict(cfg_dict, sd), sd, target, torch.float32)
+    runner = DraftRunner(draft, 1)
+    batch, _ = runner.prefill_batch(ids)
+    tpool = KVPool(256, 1, tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim)
+    out = target.forward(batch, TorchAttentionBackend(tpool, runner.r2t), capture_layers=AUX)
+    o, n = data.offsets[5], len(s["ids"])
+    torch.testing.assert_close(data.aux[o:o + n], torch.cat(out.aux_hidden, -1),
+                               atol=1e-4, rtol=1e-4)
+    assert data.argmax[o:o + n].tolist() == out.logits.argmax(-1).tolist()
+
+
+def test_ttt_unroll_equals_the_engine_draft_step_by_step(setup):
+    """Step s at index p of the unroll == the engine's draft after an extend over indices 0..p
+    (tokens p+1, target features) and s decode steps feeding tokens p+2.. with its own g."""
+    path, model, cfg, data = setup
+    tcfg, tsd = load_hf_dir(path)
+    target = LlamaForCausalLM(tcfg, tsd, torch.float32)
+    head, cfg_dict = fresh_head(cfg, data, seed=3)
+    with torch.no_grad():                       # norms away from 1 so the test sees them
+        for n_, p in head.named_parameters():
+            if "norm" in n_:
+                p.uniform_(0.8, 1.2)
+    sd = head.published_state_dict(torch.float32)
+    draft = Eagle3DraftModel(Eagle3DraftConfig.from_dict(cfg_dict, sd), sd, target, torch.float32)
+    embed = tsd["model.embed_tokens.weight"]
+    i = max(range(len(data.seqs)), key=lambda k: len(data.seqs[k]["ids"]))
+    ids, aux, *_ = data.batch3([i])
+    steps = 3
+    with torch.no_grad():
+        unrolled = [head.logits(g)[0] for _, g in ttt_unroll(head, embed, ids, aux, steps)]
+    T = ids.shape[1]
+    for p in (0, 4, T - 2 - steps):
+        runner = DraftRunner(draft, 1)
+        rounds = [[p + 1]] + [[1]] * (steps - 1)
+        g_prev, lg = None, []
+        for r, rnd in enumerate(runner.rounds(rounds)):   # engine index t holds token t+1
+            hid = aux[0, :p + 1] if r == 0 else g_prev[-1:]
+            logits, g_prev = runner.forward(rnd, [ids[0, 1:]], hid)[0]
+            lg.append(logits[-1])
+        for s in range(steps):
+            torch.testing.assert_close(unrolled[s][p], lg[s], atol=1e-4, rtol=1e-4)
+
+
+def test_training_lowers_loss_raises_accept_and_resumes(setup, tmp_path):
+    path, model, cfg, data = setup
+    embed = model.get_input_embeddings().weight.detach()
+    lm_head = model.get_output_embeddings().weight.detach()
+    ids_all = list(range(len(data.seqs)))
+    ev = [i for i in ids_all if i % 6 == 0]
+    tr = [i for i in ids_all if i % 6 != 0]
+    kw = dict(steps=3, lr=3e-3, time_budget=1e9, max_tokens=256, warmup=5, amp=False, seed=0,
+              progress=False, out=lambda *_: None)
+
+    def run(max_steps, ckpt=None, resume=False, stop_at_step=None):
+        head, _ = fresh_head(cfg, data)
+        head.init_from_target(lm_head, model.model.norm.weight.detach())
+        tg = Targets(embed, lm_head, head.target_ids)
+        return head, tg, train_eagle3(head, tg, data, tr, ev, max_steps=max_steps, ckpt=ckpt,
+                                      resume=resume, stop_at_step=stop_at_step, **kw)
+
+    head0, _ = fresh_head(cfg, data)
+    tg0 = Targets(embed, lm_head, head0.target_ids)
+    before = evaluate_eagle3(head0, tg0, data, ev, steps=3, max_tokens=256, amp=False)
+    head, tg, res = run(50)
+    after = res["held_out"][-1]
+    # the loss's floor is the target's entropy (about 4.3 nats for this random target): the
+    # distance to it (KL) falls by more than half; top-1 and the 3-draft chain rise
+    assert after["kl0"] < 0.5 * before["kl0"] and after["kl2"] < 0.5 * before["kl2"]
+    assert after["top1_0"] > before["top1_0"] + 0.25
+    assert after["accept_length"][3] > before["accept_length"][3] + 0.5
+    assert res["history"][-1]["loss"] < res["history"][0]["loss"]
+    # stopped at step 5 of 12 and resumed == 12 straight (same batches, same optimizer state)
+    straight, _, _ = run(12)
+    ck = str(tmp_path / "state.pt")
+    run(12, ckpt=ck, stop_at_step=5)
+    resumed, _, r2 = run(12, ckpt=ck, resume=True)
+    assert r2["steps"] == 12
+    for (n_, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=n_)
+
+
+def test_trained_head_saves_loads_and_stays_lossless(setup, tmp_path):
+    """A trained head in the published layout: the engine loads it (algorithm eagle3) and its
+    greedy output equals plain greedy token for token."""
+    from eaglekv.config import SpecConfig
+    from eaglekv.model.draft_io import save_draft_dir
+    from eaglekv.config import SamplingParams
+    path, model, cfg, data = setup
+    embed = model.get_input_embeddings().weight.detach()
+    lm_head = model.get_output_embeddings().weight.detach()
+    head, cfg_dict = fresh_head(cfg, data)
+    head.init_from_target(lm_head, model.model.norm.weight.detach())
+    tg = Targets(embed, lm_head, head.target_ids)
+    train_eagle3(head, tg, data, list(range(len(data.seqs))), [], steps=2, lr=3e-3,
+                 time_budget=1e9, max_steps=30, max_tokens=256, warmup=5, amp=False, seed=0,
+                 progress=False, out=lambda *_: None)
+    out = tmp_path / "head"
+    save_draft_dir(out, cfg_dict, head.published_state_dict(torch.bfloat16), "safetensors")
+    tcfg, _ = load_hf_dir(path)
+    c, sd = load_eagle3_draft(out, tcfg)
+    assert c.draft_vocab_size == 96 and sd["d2t"].dtype == torch.int64
+    prompts = [s["ids"][:s["n_prompt"]] for s in data.seqs[:4]]
+    params = SamplingParams(max_new_tokens=20, temperature=0.0)
+    plain = tiny_engine(path).generate(prompts, params)
+    eng = tiny_engine(path, speculative=SpecConfig(algorithm="eagle3", draft_model=str(out), num_steps=3,
+                                             topk=1, num_draft_tokens=4))
+    spec = eng.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.spec.accepted_tokens for o in spec) > 0      # the trained head gets accepted
+    eng.check_memory()
+
+
+def test_ttt_loss_masks_prompt_and_padding(setup):
+    """Only response positions inside the sequence count: the loss over a batch equals the
+    token-weighted loss of its sequences run alone."""
+    path, model, cfg, data = setup
+    head, _ = fresh_head(cfg, data, seed=1)
+    embed = model.get_input_embeddings().weight.detach()
+    tg = Targets(embed, model.get_output_embeddings().weight.detach(), head.target_ids)
+    which = [0, 7, 40]
+    ids, aux, tl, am, mask = tg.batch(data, which)
+    assert not mask[:, :2].all() and int(mask.sum()) < mask.numel()
+    with torch.no_grad():
+        _, st, ok = ttt_loss(head, embed, ids, aux, tl, am, mask, steps=1)
+        parts = [ttt_loss(head, embed, *tg.batch(data, [i])[:2], *tg.batch(data, [i])[2:],
+                          steps=1)[1] for i in which]
+    n = [p["n"] for p in parts]
+    assert st["n"] == sum(n)
+    want = sum(p["loss0"] * k for p, k in zip(parts, n)) / sum(n)
+    # loss0 averages over positions j with mask; per-sequence counts weight them
+    assert st["loss0"] == pytest.approx(want, rel=1e-4)
+    assert ok.shape == (1, 3, ids.shape[1] - 1)
