@@ -1,5 +1,5 @@
 """The `eaglekv` command: `generate` a completion, `serve` the OpenAI API, `bench` against
-HF transformers, or `train-draft` an EAGLE draft head."""
+HF transformers, `train-draft` an EAGLE draft head, or `eval-draft` one on held-out prompts."""
 
 from __future__ import annotations
 
@@ -79,6 +79,15 @@ def kernel_options(args) -> dict:
 def chunk_arg(value: int | None) -> int | str | None:
     """--chunked-prefill-size: not given -> "auto" (the device's default), 0 -> None (off)."""
     return "auto" if value is None else (value or None)
+
+
+def engine_config(args, speculative: SpecConfig, max_running_requests: int) -> EngineConfig:
+    """EngineConfig from the flags of _engine_args (`serve` sizes its pool its own way)."""
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                        page_size=args.page_size, max_total_tokens=args.max_total_tokens,
+                        chunked_prefill_size=chunk_arg(args.chunked_prefill_size),
+                        max_running_requests=max_running_requests, speculative=speculative,
+                        **kernel_options(args))
 
 
 def spec_config(options: dict) -> SpecConfig:
@@ -183,17 +192,34 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train-draft", help="train an EAGLE-1/2 draft head by self-distillation "
                        "(`prompts` on the CPU, then `train`)", description=TRAIN_DRAFT_DESCRIPTION)
     train_draft_args(t)
+    _eval_draft_args(sub.add_parser(
+        "eval-draft", help="a draft head on held-out prompts with the real engine: accept "
+        "length, rate per draft position, histogram, tokens/s vs plain, greedy lossless check"))
     return parser
+
+
+def _eval_draft_args(e: argparse.ArgumentParser) -> None:
+    _engine_args(e)            # --spec / --draft here: the draft to evaluate
+    e.set_defaults(spec="eagle", draft="default")
+    e.add_argument("--prompts", required=True, help="JSON list of prompts: {\"ids\": [token "
+                   "ids, chat-templated], \"kind\": \"chat\" | \"code\" | ...} or strings "
+                   "(user messages, chat-templated here)")
+    e.add_argument("--max-prompts", type=int, default=None, help="the first n prompts")
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--batch", type=int, default=1, help="requests in flight")
+    e.add_argument("--shapes", default="S3K1N4,S5K1N6,tree:S4K2N8", help="draft shapes, each fixed: "
+                   "S<num_steps>K<topk>N<num_draft_tokens>, 'tree:' before a topk > 1")
+    e.add_argument("--temperatures", default="0,0.7", help="0: greedy, checked "
+                   "token for token against plain decoding")
+    e.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
+    e.add_argument("--out", default=None, help="the JSON (default: bench/results/"
+                   "eval_draft_<spec>_<device type>.json)")
 
 
 def cmd_generate(args) -> None:
     from eaglekv.engine import Engine
     t0 = time.perf_counter()
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                 page_size=args.page_size, max_total_tokens=args.max_total_tokens,
-                                 chunked_prefill_size=chunk_arg(args.chunked_prefill_size),
-                                 max_running_requests=1, speculative=spec_from_args(args),
-                                 **kernel_options(args)))
+    engine = Engine(engine_config(args, spec_from_args(args), max_running_requests=1))
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -336,12 +362,10 @@ def cmd_bench_serve(args) -> None:
     sp = spec_from_args(args)   # bench.serve reads the spec flags: hand it them with defaults
     args.spec, args.draft, args.num_steps, args.topk, args.num_draft_tokens = (
         sp.algorithm, sp.draft_model, sp.num_steps, sp.topk, sp.num_draft_tokens)
-    args.command_line = "eaglekv " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     bench_main(args)
 
 
 def cmd_bench(args) -> None:
-    args.command_line = "eaglekv " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     if (args.device.startswith("cuda") or args.table) and args.spec is None:   # the table
         from eaglekv.bench.gpu import main as gpu_main
         args.draft = args.draft or "default"
@@ -353,14 +377,31 @@ def cmd_bench(args) -> None:
 
 def cmd_train_draft(args) -> None:
     from eaglekv.training.cli import run
-    run(args, "eaglekv " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+    run(args, args.command_line)
+
+
+def cmd_eval_draft(args) -> None:
+    shape = [SPEC_FLAGS[d] for d in ("num_steps", "topk", "num_draft_tokens", "adaptive")
+             if getattr(args, d) is not None]
+    if shape:
+        raise ConfigError(f"eval-draft runs each shape of --shapes with adaptive off, so "
+                          f"{', '.join(shape)} would go unused; list the shapes in --shapes, "
+                          f"e.g. S3K1N4,tree:S4K2N8")
+    if args.batch < 1:
+        raise ConfigError(f"--batch={args.batch} must be >= 1 (requests in flight)")
+    from eaglekv.training.eval_draft import main as eval_main
+    eval_main(args, engine_config(args, SpecConfig(), args.batch))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # recorded in the JSON results (in-process callers pass argv)
+    args.command_line = "eaglekv " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     try:
         {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench,
-         "bench-serve": cmd_bench_serve, "train-draft": cmd_train_draft}[args.cmd](args)
+         "bench-serve": cmd_bench_serve, "train-draft": cmd_train_draft,
+         "eval-draft": cmd_eval_draft}[args.cmd](args)
     except EaglekvError as e:
         print(f"eaglekv: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,34 @@ class SpecStats:
     def accept_length_mean(self) -> float:
         """Tokens per verify step, the bonus token included."""
         return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+    def position_rates(self, depth: int) -> list[float]:
+        """Acceptance rate of draft positions 1..depth (vLLM's and llama.cpp's definition):
+        rate[i] = verify steps that accepted at least i + 1 drafts / verify steps, so
+        rate[0] >= rate[1] >= ... A histogram key k counts steps that gave k tokens, the bonus
+        included, i.e. accepted k - 1 drafts: rate[i] = sum_{k >= i + 2} hist[k] / steps. In a
+        tree the position is the depth along the accepted path."""
+        hist, steps = self.accept_histogram or {}, self.verify_steps
+        return [sum(n for k, n in hist.items() if k >= i + 2) / steps if steps else 0.0
+                for i in range(depth)]
+
+    @classmethod
+    def total(cls, stats: Iterable[SpecStats | None]) -> SpecStats:
+        """The counters of several requests summed, histograms and choices merged (None: a
+        request that did not speculate)."""
+        out = cls(accept_histogram={})
+        for st in stats:
+            if st is None:
+                continue
+            out.verify_steps += st.verify_steps
+            out.draft_tokens += st.draft_tokens
+            out.accepted_tokens += st.accepted_tokens
+            for k, n in (st.accept_histogram or {}).items():
+                out.accept_histogram[k] = out.accept_histogram.get(k, 0) + n
+            for c, n in (st.choices or {}).items():
+                out.choices = out.choices or {}
+                out.choices[c] = out.choices.get(c, 0) + n
+        return out
 
 
 @dataclass

@@ -23,4 +23,7 @@ per stage, imports one way (prompts, data, head <- loss <- eval <- loop <- cli):
 5. `cli`: the stages in order; the head is saved with `save_eagle_draft` (bf16, safetensors, no
    embed_tokens: the engine uses the target's embedding and LM head).
    `python -m eaglekv.training.train_draft` runs the same command line as `eaglekv train-draft`.
+6. `eval_draft`: `eaglekv eval-draft` measures a head with the real engine on held-out prompts
+   (fixed shapes x temperatures against plain decoding: accept length, rate per draft position,
+   histogram, tokens/s, greedy outputs checked token for token).
 """
