@@ -146,3 +146,80 @@ def tokenize_prompts(tokenizer, prompts: list[dict]) -> list[dict]:
         else:
             p["ids"] = tokenizer.encode(p["text"], add_special_tokens=False)
     return prompts
+
+
+# ---- seed topics of the self-generated prompts (training/selfgen.py): the target writes the
+# prompts itself from these, so they only need to be many and varied; the held-out split is
+# by topic (selfgen.held_out_topics), so a topic's prompts never straddle train and held-out
+MORE_TOPICS = [
+    "nursing", "plumbing", "carpentry", "firefighters", "pilots", "farmers", "librarians",
+    "teachers", "doctors", "lawyers", "architects", "electricians", "chefs", "journalists",
+    "astronauts", "scientists", "engineers", "accountants", "mechanics", "veterinarians",
+    "Tokyo", "Paris", "New York", "London", "Cairo", "Brazil", "India", "Canada", "Australia",
+    "Kenya", "Mexico", "Iceland", "the Amazon river", "the Sahara", "the Alps", "the Himalayas",
+    "the Great Wall of China", "the Silk Road", "the Pacific Ocean", "islands", "lakes", "caves",
+    "knitting", "woodworking", "birdwatching", "fishing", "skateboarding", "surfing", "skiing",
+    "board games", "puzzles", "origami", "pottery", "calligraphy", "stand-up comedy",
+    "magic tricks",
+    "a leaking faucet", "a flat tire", "a noisy neighbor", "a late train", "a job rejection",
+    "a first date", "a job promotion", "a family reunion", "a power outage", "a lost wallet",
+    "renting an apartment", "buying a used car", "writing a cover letter", "negotiating a salary",
+    "learning to drive", "raising a teenager", "caring for elderly parents", "adopting a cat",
+    "insurance", "mortgages", "credit cards", "retirement savings", "small business loans",
+    "customer service", "supply chains", "shipping containers", "airports", "hospitals",
+    "elections", "the constitution", "human rights", "the United Nations", "law and courts",
+    "philosophy", "ethics", "logic", "Socrates", "Shakespeare", "Leonardo da Vinci",
+    "Marie Curie", "Albert Einstein", "Isaac Newton", "Charles Darwin", "Ada Lovelace",
+    "the Beatles", "hip hop", "opera", "film making", "animation", "podcasts", "blogging",
+    "open source software", "Linux", "operating systems", "compilers", "computer networks",
+    "Wi-Fi", "GPS", "satellites", "rockets", "the International Space Station", "quantum physics",
+    "relativity", "thermodynamics", "optics", "sound waves", "magnets", "semiconductors",
+    "climate policy", "forests", "soil", "wetlands", "endangered species", "zoos", "aquariums",
+    "wolves", "frogs", "snakes", "turtles", "dolphins", "jellyfish", "parrots", "crows",
+    "allergies", "headaches", "back pain", "first aid", "nutrition labels", "hydration",
+    "stress", "loneliness", "motivation", "gratitude", "patience", "honesty", "forgiveness",
+]
+ASPECTS = [
+    "{t}", "{t}", "{t}", "the history of {t}", "the science behind {t}", "everyday uses of {t}",
+    "common mistakes with {t}", "the future of {t}", "{t} for beginners", "problems with {t}",
+    "{t} around the world", "{t} and money", "{t} for children", "jobs related to {t}",
+]
+PERSONAS = [
+    "a curious child", "a student", "a beginner", "an expert", "a traveler", "a parent",
+    "a teacher", "a retired engineer", "a small business owner", "a journalist", "someone",
+]
+MATH_TOPICS = [
+    "fractions", "decimals", "percentages", "ratios", "proportions", "averages", "medians",
+    "probability with dice", "probability with cards", "counting combinations", "permutations",
+    "prime factorization", "greatest common divisors", "least common multiples", "divisibility",
+    "linear equations", "systems of equations", "quadratic equations", "inequalities",
+    "exponents", "square roots", "logarithms", "arithmetic sequences", "geometric sequences",
+    "areas of rectangles", "areas of circles", "triangles", "the Pythagorean theorem",
+    "volumes of boxes", "volumes of cylinders", "angles", "perimeters", "coordinates",
+    "slopes of lines", "unit conversions", "speed, distance and time", "train speeds",
+    "work rates", "mixtures", "simple interest", "compound interest", "discounts and sales",
+    "tax and tips", "shopping budgets", "recipes and scaling", "ages puzzles", "clock problems",
+    "calendar problems", "money and change", "sharing equally", "remainders",
+    "even and odd numbers",
+    "place value", "rounding", "negative numbers", "order of operations", "matrices", "vectors",
+    "derivatives", "integrals", "limits", "sets and Venn diagrams", "graphs and networks",
+    "statistics of test scores", "estimation", "patterns in numbers", "binary numbers",
+]
+CODE_TOPICS = [
+    "strings", "lists", "dictionaries", "sets", "tuples", "loops", "recursion", "sorting",
+    "binary search", "linked lists", "stacks", "queues", "trees", "graphs", "hash maps",
+    "reading a CSV file", "writing a JSON file", "parsing dates", "regular expressions",
+    "file handling", "error handling", "classes and objects", "inheritance", "unit tests",
+    "command-line arguments", "HTTP requests", "a REST API", "SQL queries", "database tables",
+    "HTML forms", "CSS layouts", "JavaScript events", "async functions", "promises", "generators",
+    "iterators", "decorators", "list comprehensions", "lambda functions", "matrix operations",
+    "random numbers", "prime numbers in code", "string formatting", "text processing",
+    "counting words", "palindromes", "anagrams", "Fibonacci numbers", "factorials",
+    "temperature conversion", "a to-do list app", "a calculator program", "a guessing game",
+    "tic-tac-toe", "a bank account class", "a shopping cart", "a simple web server",
+    "shell scripts", "git commands", "bit manipulation", "dynamic programming", "memoization",
+    "greedy algorithms", "two pointers", "sliding windows", "string compression",
+    "removing duplicates", "merging sorted lists", "flattening nested lists", "caching",
+    "logging", "threads", "timers", "Rust ownership", "C pointers", "Java interfaces",
+    "Go goroutines", "TypeScript types", "pandas dataframes", "numpy arrays", "plotting a chart",
+]
