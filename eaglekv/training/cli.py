@@ -23,9 +23,9 @@ from eaglekv.training.loop import train
 from eaglekv.training.loss import target_embed_head
 from eaglekv.training.prompts import build_prompts, tokenize_prompts
 
-DESCRIPTION = ("Train an EAGLE-1/2 draft head for a target model by self-distillation "
-               "(EAGLE-1 recipe).")
-MODULE_COMMAND = "python -m eaglekv.training.train_draft"
+DESCRIPTION = ("Train a draft head for a target model: `gen-data` (the target writes prompts and "
+               "answers them), then `train --algorithm eagle3` (EAGLE-3 with training-time test) or "
+               "`--algorithm eagle` (EAGLE-1/2 by self-distillation).")
 
 
 def cmd_prompts(args) -> None:
@@ -44,8 +44,8 @@ def eagle3_seqs(args) -> list[dict]:
     if args.data:
         return load_seqs(args.data)
     if args.data_dir:
-        from eaglekv.training.selfgen import load_dataset
-        return load_dataset(args.data_dir)
+        from eaglekv.training.seqstore import load_gen_data
+        return load_gen_data(args.data_dir, "all")
     raise SystemExit("train --algorithm eagle3 needs --data or --data-dir (sequences made by "
                      "`eaglekv train-draft gen-data`)")
 
@@ -165,6 +165,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--raw-frac", type=float, default=0.15)
     a.add_argument("--out", required=True)
+    from eaglekv.training.selfgen import add_gen_data_arguments
+    add_gen_data_arguments(sub)
     b = sub.add_parser("train", help="generate, extract features, train, save")
     b.add_argument("--algorithm", choices=("eagle", "eagle3"), default="eagle")
     b.add_argument("--model", default="default")
@@ -216,6 +218,9 @@ def run(args, command_line: str | None = None) -> int:
     """Run the parsed stage; --amp not given: on where CUDA is used."""
     if args.stage == "prompts":
         cmd_prompts(args)
+    elif args.stage == "gen-data":
+        from eaglekv.training.selfgen import run_gen_data
+        return run_gen_data(args, command_line)
     else:
         if args.amp is None:
             args.amp = torch.cuda.is_available() and args.device != "cpu"

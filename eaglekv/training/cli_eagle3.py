@@ -82,12 +82,14 @@ def cmd_train_eagle3(args, seqs: list[dict], command_line: str, out) -> dict:
                      "max_tokens_per_batch": args.max_tokens, "seed": args.seed,
                      "loss": "CE(softmax(target logits on draft vocab), draft) per TTT step",
                      "init": "lm_head, norm from the target; the rest N(0, 0.02), norms 1"}
-    budget = args.train_budget if args.deadline <= 0 else \
-        min(args.train_budget, args.deadline - (time.time() - t_start))
+    # --train-budget spans the schedule (summed over resumes); --deadline ends this process
+    # (a GPU command's limit) and leaves the rest to --resume
+    stop = None if args.deadline <= 0 else args.deadline - (time.time() - t_start)
     res = train_eagle3(head, tg, data, train_ids, eval_ids, steps=args.ttt_steps, lr=args.lr,
-                       time_budget=budget, max_steps=args.max_steps, max_tokens=args.max_tokens,
-                       warmup=args.warmup, amp=args.amp, seed=args.seed, ckpt=args.ckpt,
-                       resume=args.resume, eval_every_s=args.eval_every_s, out=out)
+                       time_budget=args.train_budget, max_steps=args.max_steps,
+                       max_tokens=args.max_tokens, warmup=args.warmup, amp=args.amp,
+                       seed=args.seed, ckpt=args.ckpt, resume=args.resume,
+                       eval_every_s=args.eval_every_s, stop_after_s=stop, out=out)
     log.update(res)
     # 4. save (bf16), then the held-out figures of the saved weights
     sd = head.published_state_dict(torch.bfloat16)
