@@ -49,9 +49,13 @@ def cmd_train_eagle3(args, seqs: list[dict], command_line: str, out) -> dict:
     aux_layers = Eagle3DraftModel.aux_layers(cfg.num_layers)
     train_ids, eval_ids = split_ids(seqs, args.eval_every)
     t = time.time()
+    torch.backends.cuda.matmul.allow_tf32 = True     # the fp32 target pass in TF32 on a GPU
     data = extract_eagle3_features(model, seqs, aux_layers,
                                    dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    torch.backends.cuda.matmul.allow_tf32 = False
     log["feature_seconds"] = round(time.time() - t, 1)
+    log["feature_precision"] = ("fp32 target, TF32 matmuls, stored bf16" if dev.type == "cuda"
+                                else "fp32")
     embed = model.get_input_embeddings().weight.detach()
     lm_head = model.get_output_embeddings().weight.detach()
     final_norm = model.model.norm.weight.detach()

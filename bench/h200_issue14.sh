@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 14 on the H200, phases in order, several per call (the machine keeps /root while warm):
+#   bench/h200_issue14.sh gen          # the target writes prompts and answers them -> $R/sg
+#   bench/h200_issue14.sh train        # EAGLE-3 + TTT on $R/sg (resumes $R/ckpt.pt)
+#   bench/h200_issue14.sh eval         # eval-draft of $R/head3 on the held-out prompts, b1
+# Stage the model first (part a in one call, part b carried in the next; h200_issue13.sh).
+set -uo pipefail
+export PYTHONPATH=.:.carry/pylib
+M=${MODEL:-/root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
+DEV=${DEV:-cuda}
+R=${ROOT_DIR:-/root}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [ "$DEV" = cuda ] && [ ! -f "$M" ] && [ -f .carry/smollm2/b/part.ab ]; then
+  mkdir -p "$(dirname "$M")"; cat /root/smollm2/part.aa .carry/smollm2/b/part.ab > "$M"
+  test "$(md5sum < "$M" | cut -d' ' -f1)" = "$(cat .carry/smollm2/b/md5)" || { echo "bad md5"; exit 1; }
+fi
+for phase in "$@"; do
+  echo "== $phase $(date -u +%T)"
+  case "$phase" in
+    gen)
+      python3 -m eaglekv.cli train-draft gen-data --model "$M" --out $R/sg --device "$DEV" \
+        --budget "${GEN_BUDGET:-280}" --n-prompts "${N_PROMPTS:-40000}" --max-new "${MAX_NEW:-256}" \
+        --greedy-frac "${GREEDY_FRAC:-0.5}" --seed 0 --no-progress > "$OUT/gen.log" 2>&1
+      echo "rc=$?"; tail -4 "$OUT/gen.log"
+      mkdir -p "$OUT/sg" && cp $R/sg/manifest.json $R/sg/heldout_prompts.json "$OUT/sg/"
+      ;;
+    train)
+      python3 -m eaglekv.cli train-draft train --algorithm eagle3 --model "$M" --data-dir $R/sg \
+        --out $R/head3 --ckpt $R/ckpt.pt ${RESUME:+--resume} --device "$DEV" \
+        --train-budget "${TRAIN_TOTAL:-480}" --deadline "${DEADLINE:-270}" --lr "${LR:-6e-4}" \
+        --warmup 100 --max-tokens "${MAX_TOKENS:-32768}" --draft-vocab "${VOCAB:-16384}" \
+        --ttt-steps 7 --eval-every-s 60 --log "$OUT/train_log${RESUME:+_resumed}.json" 2>&1 \
+        | tr '\r' '\n' | grep -v "step/s]$" | tail -c 12000 > "$OUT/train${RESUME:+_resumed}.log"
+      echo "rc=${PIPESTATUS[0]}"; grep -E "eval|vocab|features|saved" "$OUT/train${RESUME:+_resumed}.log" | tail -6
+      mkdir -p "$OUT/head3" && cp $R/head3/* "$OUT/head3/"
+      ;;
+    eval)
+      python3 -m eaglekv.cli eval-draft --model "$M" --spec eagle3 --draft $R/head3 \
+        --prompts $R/sg/heldout_prompts.json --max-prompts "${EVAL_PROMPTS:-40}" \
+        --max-new-tokens 128 --device "$DEV" --dtype "${DTYPE:-bfloat16}" \
+        --shapes "${SHAPES:-S3K1N4,S5K1N6,tree:S4K2N8}" --temperatures 0,0.7 \
+        --out "$OUT/eval_draft_eagle3_h200.json" > "$OUT/eval.log" 2>&1
+      echo "rc=$?"; tail -12 "$OUT/eval.log"
+      ;;
+  esac
+done
