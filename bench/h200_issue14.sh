@@ -33,7 +33,8 @@ for phase in "$@"; do
         --ttt-steps 7 --eval-every-s 60 --log "$OUT/train_log${RESUME:+_resumed}.json" 2>&1 \
         | tr '\r' '\n' | grep -v "step/s]$" | tail -c 12000 > "$OUT/train${RESUME:+_resumed}.log"
       echo "rc=${PIPESTATUS[0]}"; grep -E "eval|vocab|features|saved" "$OUT/train${RESUME:+_resumed}.log" | tail -6
-      mkdir -p "$OUT/head3" && cp $R/head3/* "$OUT/head3/"
+      # the head (lm_head alone may pass a returned file's 16 MiB) as a split tar
+      tar cf - -C $R head3 | split -b 15M - "$OUT/head3.tar.part."
       ;;
     eval)
       python3 -m eaglekv.cli eval-draft --model "$M" --spec eagle3 --draft $R/head3 \

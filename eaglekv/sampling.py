@@ -32,6 +32,34 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def batched_target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """(R, V) logits, one SamplingParams per row -> (R, V) float32: row r equals
+    `target_probs(logits[r], params[r])`, computed for all rows at once (one sort for top-k, one
+    for top-p) instead of a dozen kernels per row."""
+    dev = logits.device
+    temp = torch.tensor([p.temperature for p in params], device=dev)[:, None]   # (R, 1)
+    x = logits.float() / temp
+    V = x.shape[-1]
+    ks = [p.top_k if p.top_k and p.top_k < V else 0 for p in params]
+    if any(ks):
+        k = torch.tensor(ks, device=dev)[:, None]                               # (R, 1)
+        sx = torch.sort(x, dim=-1, descending=True).values                      # (R, V)
+        kth = sx.gather(-1, (k - 1).clamp_min(0))                                # (R, 1)
+        kth = torch.where(k > 0, kth, torch.full_like(kth, float("-inf")))
+        x = x.masked_fill(x < kth, float("-inf"))                                # as target_probs
+    probs = torch.softmax(x, dim=-1)
+    cut = [p.top_p < 1.0 for p in params]
+    if any(cut):
+        top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]    # (R, 1)
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= top_p                  # (R, V)
+        drop[..., 0] = False
+        kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+        kept = kept / kept.sum(-1, keepdim=True)
+        probs = torch.where(torch.tensor(cut, device=dev)[:, None], kept, probs)  # top_p = 1 rows as is
+    return probs
+
+
 def valid_probs(probs: torch.Tensor) -> torch.Tensor:
     """(B, ..., V) distributions -> (B,) bool: every distribution of row b can be sampled,
     i.e. all p >= 0 (NaN fails), sum(p) finite and > 0 (what torch.multinomial demands)."""
@@ -53,22 +81,21 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams],
     fails alone). One host sync for the batch: the validity flags come back with the tokens."""
     ok = valid_argmax(logits)                                                  # (B,)
     tokens = logits.argmax(-1)                                                 # (B,)
-    if not all(p.greedy for p in params):
-        # an unusable row draws from a stand-in (all mass on token 0) whose token is dropped:
-        # multinomial never sees NaN, inf, p < 0 or a zero sum
-        stand_in = torch.zeros(logits.shape[-1], device=logits.device)          # (V,)
+    rows = [b for b, p in enumerate(params) if not p.greedy]
+    if rows:
+        # the sampled rows' distributions in one batch; each row then draws with its own
+        # generator (its seed's stream). An unusable row draws from a stand-in (all mass on
+        # token 0) whose token is dropped: multinomial never sees NaN, inf, p < 0 or a zero sum
+        idx = torch.tensor(rows, device=logits.device)                           # (R,)
+        probs = batched_target_probs(logits[idx], [params[b] for b in rows])    # (R, V)
+        good = valid_probs(probs)                                                # (R,)
+        stand_in = torch.zeros_like(probs[0])
         stand_in[0] = 1.0
-        picks = []
-        for b, (p, g) in enumerate(zip(params, generators)):
-            if p.greedy:
-                picks.append(tokens[b])
-                continue
-            probs = target_probs(logits[b], p)                                 # (V,)
-            good = valid_probs(probs[None])[0]
-            probs = torch.where(good, probs, stand_in)
-            picks.append(torch.multinomial(probs, 1, generator=g)[0])
-            ok[b] &= good
-        tokens = torch.stack(picks)
+        probs = torch.where(good[:, None], probs, stand_in)
+        drawn = torch.stack([torch.multinomial(probs[r], 1, generator=generators[b])[0]
+                             for r, b in enumerate(rows)])                       # (R,)
+        tokens = tokens.index_copy(0, idx, drawn)
+        ok = ok.index_copy(0, idx, ok[idx] & good)
     host = torch.stack([tokens, ok.long()], 1).tolist()                        # the sync
     return [t if good else None for t, good in host]
 

@@ -256,3 +256,27 @@ def test_abort_running_and_waiting_frees_everything(tiny_dir):
         eng.step()
     assert b.output_ids == ref
     eng.check_memory()
+
+
+def test_batched_sampling_equals_the_per_row_rule():
+    """sample_next computes the sampled rows' distributions in one batch: each row equals
+    target_probs of its own params (temperature, top-k, top-p, mixed in one batch), and each
+    row's draw is torch.multinomial over it with the request's own generator."""
+    from eaglekv.sampling import batched_target_probs, sample_next, target_probs
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 300, generator=g) * 3
+    logits[3, 5] = 40.0                                         # a near-certain row
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in
+              [(0.7, 0, 0.95), (1.0, 0, 1.0), (1.3, 20, 1.0), (0.5, 5, 0.5), (1.0, 400, 0.9),
+               (0.9, 1, 1.0), (2.0, 0, 0.0001)]]
+    batched = batched_target_probs(logits, params)
+    for r, p in enumerate(params):
+        torch.testing.assert_close(batched[r], target_probs(logits[r], p), atol=1e-6, rtol=1e-5)
+    mixed = params[:5] + [SamplingParams(temperature=0.0)]
+    seeds = list(range(10, 16))
+    got = sample_next(logits[:6], mixed, [torch.Generator().manual_seed(s) for s in seeds])
+    want = [int(torch.multinomial(target_probs(logits[r], p), 1,
+                                  generator=torch.Generator().manual_seed(s))[0])
+            if not p.greedy else int(logits[r].argmax()) for r, (p, s) in
+            enumerate(zip(mixed, seeds))]
+    assert got == want
