@@ -42,13 +42,14 @@ class DraftCheckpoint:
     num_pools: int = 1            # one-layer KV pools the draft keeps (S for multi-layer)
 
 
-DEFAULT_DRAFTS = {"eagle": Path(__file__).resolve().parent.parent / "drafts"
-                  / "smollm2-135m-instruct-eagle"}
+_DRAFTS = Path(__file__).resolve().parent.parent / "drafts"
+DEFAULT_DRAFTS = {"eagle": _DRAFTS / "smollm2-135m-instruct-eagle",
+                  "eagle3": _DRAFTS / "smollm2-135m-instruct-eagle3"}
 
 
 def draft_path(spec: SpecConfig) -> str:
     """`draft_model="default"`: the head shipped for the default model (SmolLM2-135M-Instruct,
-    trained here by self-distillation, see eaglekv/training/train_draft.py)."""
+    trained here, see eaglekv/training/ and the README.md beside each head)."""
     if spec.draft_model != "default":
         return spec.draft_model
     if spec.algorithm not in DEFAULT_DRAFTS:
@@ -70,7 +71,7 @@ def _load_eagle3(spec, target, seed) -> DraftCheckpoint:
         d, sd = random_eagle3_draft(target, draft_vocab_size=max(2, target.vocab_size // 2),
                                     seed=seed)
         return DraftCheckpoint("eagle3", Eagle3DraftConfig.from_dict(d, sd), sd)
-    return DraftCheckpoint("eagle3", *load_eagle3_draft(spec.draft_model, target))
+    return DraftCheckpoint("eagle3", *load_eagle3_draft(draft_path(spec), target))
 
 
 def _load_multi_layer(spec, target, seed) -> DraftCheckpoint:

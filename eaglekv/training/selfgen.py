@@ -111,11 +111,13 @@ def generate_responses(engine, prompts: list[dict], *, max_new: int = 256,
     def job(p, greedy):
         return Job(list(p["ids"]), params(greedy), lambda r: answered(p, greedy, r))
 
+    # kinds shuffled together, so a budget cut keeps the mix (on the H200 the multi_turn
+    # prompts, queued first, took 70% of a cut run); greedy and sampled in separate blocks
     flags = [rng.random() < greedy_frac for _ in prompts]
-    multi = [job(p, g) for p, g in zip(prompts, flags) if p["kind"] == "multi_turn"]
-    rest = [(p, g) for p, g in zip(prompts, flags) if p["kind"] != "multi_turn"]
-    for j in multi + _blocks([job(p, g) for p, g in rest if g],
-                             [job(p, g) for p, g in rest if not g], 2 * cap):
+    rest = list(zip(prompts, flags))
+    rng.shuffle(rest)
+    for j in _blocks([job(p, g) for p, g in rest if g],
+                     [job(p, g) for p, g in rest if not g], 2 * cap):
         feeder.push(j)
 
     def refill():    # the follow-ups and second turns go in whole batches, or at the end

@@ -52,3 +52,21 @@ def test_smollm2_default_draft_stop_string_and_stream(smol_engine):
     assert "".join(d.text for d in eng.stream(ids, sp)) == want.text
     eng.check_memory()
     assert eng.allocator.is_full()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("S,K,N", [(5, 1, 6), (4, 2, 8)])
+def test_smollm2_shipped_eagle3_head_is_lossless_and_accepted(plain, S, K, N):
+    """`algorithm="eagle3", draft_model="default"`: the EAGLE-3 head trained by `eaglekv
+    train-draft` (eaglekv/drafts/smollm2-135m-instruct-eagle3) loads with its 16384-token draft
+    vocabulary, greedy output equals plain greedy, and its drafts get accepted."""
+    ids, ref = plain
+    eng = Engine(EngineConfig(model="default", max_total_tokens=1024, max_running_requests=2,
+                              speculative=dict(algorithm="eagle3", draft_model="default",
+                                               num_steps=S, topk=K, num_draft_tokens=N)))
+    assert eng.runner.drafter.model.cfg.draft_vocab_size == 16384
+    outs = eng.generate(ids, SamplingParams(max_new_tokens=32, ignore_eos=True))
+    assert [o.token_ids for o in outs] == ref
+    assert sum(o.spec.accepted_tokens for o in outs) / sum(o.spec.verify_steps for o in outs) > 0.5
+    eng.check_memory()
+    assert eng.allocator.is_full()
