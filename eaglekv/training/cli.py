@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from eaglekv.training.cli_eagle3 import split_ids
 from eaglekv.training.data import extract_features, generate, load_seqs, load_target, save_seqs
 from eaglekv.training.eval import chain_accept
 from eaglekv.training.head import head_for_target
@@ -26,6 +27,7 @@ from eaglekv.training.prompts import build_prompts, tokenize_prompts
 DESCRIPTION = ("Train a draft head for a target model: `gen-data` (the target writes prompts and "
                "answers them), then `train --algorithm eagle3` (EAGLE-3 with training-time test) or "
                "`--algorithm eagle` (EAGLE-1/2 by self-distillation).")
+MODULE_COMMAND = "python -m eaglekv.training.train_draft"
 
 
 def cmd_prompts(args) -> None:
@@ -39,8 +41,8 @@ def cmd_prompts(args) -> None:
           f"{min(lens)}-{max(lens)} tokens (mean {sum(lens) / len(lens):.1f}) -> {args.out}")
 
 
-def eagle3_seqs(args) -> list[dict]:
-    """The sequences an EAGLE-3 head trains on: `--data` (save_seqs) or `--data-dir` (gen-data)."""
+def stored_seqs(args) -> list[dict]:
+    """Sequences made earlier: `--data` (save_seqs) or `--data-dir` (gen-data)."""
     if args.data:
         return load_seqs(args.data)
     if args.data_dir:
@@ -58,11 +60,12 @@ def cmd_train(args, command_line: str | None = None) -> None:
         command_line = MODULE_COMMAND + " " + " ".join(sys.argv[1:])
     if args.algorithm == "eagle3":
         from eaglekv.training.cli_eagle3 import cmd_train_eagle3
-        cmd_train_eagle3(args, eagle3_seqs(args), command_line,
+        cmd_train_eagle3(args, stored_seqs(args), command_line,
                          lambda msg: print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True))
         return
-    if not args.prompts:
-        raise SystemExit("train --algorithm eagle needs --prompts")
+    if not (args.prompts or args.data or args.data_dir):
+        raise SystemExit("train --algorithm eagle needs --prompts (to generate from), --data or "
+                         "--data-dir")
     log = {"command": command_line,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
@@ -77,13 +80,14 @@ def cmd_train(args, command_line: str | None = None) -> None:
     model, cfg = load_target(args.model, dev, torch.float32)
     out(f"target loaded on {log['device']}")
     eos = sorted(set(cfg.eos_token_ids) | set(args.extra_eos))
-    prompts = json.loads(Path(args.prompts).read_text())[:args.max_prompts]
     # 1. data
-    if args.data:
-        seqs = load_seqs(args.data)
-        out(f"reusing {len(seqs)} sequences from {args.data}")
-        log["data_source"] = args.data
+    if args.data or args.data_dir:
+        seqs = stored_seqs(args)
+        out(f"reusing {len(seqs)} sequences from {args.data or args.data_dir}")
+        log["data_source"] = args.data or args.data_dir
+        prompts = []
     else:
+        prompts = json.loads(Path(args.prompts).read_text())[:args.max_prompts]
         rng = random.Random(args.seed)
         rng.shuffle(prompts)
         n_greedy = int(len(prompts) * args.greedy_frac)
@@ -117,8 +121,7 @@ def cmd_train(args, command_line: str | None = None) -> None:
                    "feature_dtype": "float32"}
     out(f"features: {log['data']}")
     # 2. split: held-out prompts (every `eval_every`-th sequence), greedy ones for the chain
-    eval_ids = [i for i in range(len(seqs)) if i % args.eval_every == 0]
-    train_ids = [i for i in range(len(seqs)) if i % args.eval_every != 0]
+    train_ids, eval_ids = split_ids(seqs, args.eval_every)   # gen-data's held-out flags, if any
     chain_ids = [i for i in eval_ids if seqs[i]["greedy"]]
     embed, lm_head = target_embed_head(model)
     head, cfg_dict = head_for_target(cfg, seed=args.seed)

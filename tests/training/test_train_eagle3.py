@@ -212,3 +212,32 @@ def test_ttt_loss_masks_prompt_and_padding(setup):
     # loss0 averages over positions j with mask; per-sequence counts weight them
     assert st["loss0"] == pytest.approx(want, rel=1e-4)
     assert ok.shape == (1, 3, ids.shape[1] - 1)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
+def test_train_draft_cli_on_gen_data(setup, tmp_path, algorithm):
+    """`train-draft train --algorithm {eagle,eagle3} --data-dir` on a gen-data store: the
+    sequences flagged held-out are never trained on, and the saved head loads in the engine's
+    format for its family."""
+    import json
+    from eaglekv.model.draft_checkpoint import load_eagle_draft
+    from eaglekv.training.cli import main
+    from eaglekv.training.seqstore import save_gen_data
+    path, model, cfg, data = setup
+    seqs = [{**s, "kind": "chat", "held_out": i % 5 == 0} for i, s in enumerate(data.seqs)]
+    save_gen_data(tmp_path / "sg", seqs, {"command": "test"})
+    out, log = tmp_path / "head", tmp_path / "log.json"
+    assert main(["train", "--algorithm", algorithm, "--model", str(path), "--data-dir",
+                 str(tmp_path / "sg"), "--out", str(out), "--device", "cpu", "--max-steps", "3",
+                 "--max-tokens", "256", "--warmup", "2", "--draft-vocab", "64", "--ttt-steps", "2",
+                 "--log", str(log)]) == 0
+    rec = json.loads(log.read_text())
+    n_held = sum(s["held_out"] for s in seqs)
+    if algorithm == "eagle3":
+        assert rec["data"]["held_out_sequences"] == n_held
+        assert rec["data"]["train_sequences"] == len(seqs) - n_held
+        load_eagle3_draft(out, load_hf_dir(path)[0])
+    else:
+        assert rec["recipe"]["eval_sequences"] == n_held
+        assert rec["recipe"]["train_sequences"] == len(seqs) - n_held
+        load_eagle_draft(out, load_hf_dir(path)[0])
