@@ -87,11 +87,15 @@ def profile_mode(model: str, dtype: str, device: str, B: int, spec: SpecConfig |
         out["host_ms_per_verify_step_by_phase"] = {k: 1e3 * x / v for k, x in
                                                    worker.timings.items()}
         out["accept_length_mean"] = st.accept_length_mean
-    top = {}
+    top, us = {}, {}
     for k in kernels:
         top[k.name] = top.get(k.name, 0) + 1
+        us[k.name] = us.get(k.name, 0.0) + (getattr(k, "device_time_total", 0)
+                                            or k.cuda_time_total)
     out["kernel_names_per_step"] = {n: c / n_prof for n, c in
                                     sorted(top.items(), key=lambda x: -x[1])[:15]}
+    out["kernel_us_per_step"] = {n[:90]: round(t / n_prof, 2) for n, t in
+                                 sorted(us.items(), key=lambda x: -x[1])[:20]}
     for r in reqs:
         engine.abort(r)
     return out

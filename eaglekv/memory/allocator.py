@@ -94,6 +94,25 @@ class SlotAllocator:
             self.owners.on_alloc(slots)
         return slots
 
+    def alloc_rows(self, count: int, n: int) -> torch.Tensor:
+        """Page size 1: n slots for each of `count` requests, as int64 `(count, n)`, all or
+        nothing (what `count` calls of `alloc(n)` give, in a few vector ops). Raises
+        OutOfKVMemoryError (nothing taken) when they do not fit."""
+        if self.page_size != 1:
+            raise AllocatorError(f"alloc_rows needs page_size 1 (page_size={self.page_size})")
+        if count < 0 or n < 0:
+            raise AllocatorError(f"alloc_rows of count={count} x n={n} slots")
+        m = count * n
+        if m > len(self._free_pages):
+            raise OutOfKVMemoryError(m, self.available_slots(), self.size)
+        pop = heapq.heappop
+        slots = torch.tensor([pop(self._free_pages) for _ in range(m)], dtype=torch.int64)
+        self._used[slots] = True
+        self._page_count[slots] = 1
+        if self.owners is not None:
+            self.owners.on_alloc(slots)
+        return slots.view(count, n)
+
     def alloc_decode(self, seq_lens: list[int], last_slots: list[int]) -> torch.Tensor:
         """One slot each for n requests' next token, as int64 `[n]`, all or nothing: what
         `alloc(1, seq_lens[i], last_slots[i])` gives, for the whole decode batch in a few

@@ -154,6 +154,8 @@ class EagleWorker:
         dev = self.res.device
         B = len(reqs)
         t0 = time.perf_counter()
+        if self._step_graph_fits(reqs):
+            return self._decode_graph(reqs, t0)
         seq_lens = torch.tensor([r.kv_len for r in reqs], device=dev)              # (B,)
         rows = torch.tensor([r.row for r in reqs], device=dev)                     # (B,)
         # 1. draft: slots, req_to_token entries and kv indices, then the select steps
@@ -166,9 +168,6 @@ class EagleWorker:
             contexts_of = lambda paths: [r.all_ids + p for r, pk in zip(reqs, paths.tolist())  # noqa: E731
                                          for p in pk]
         root = torch.tensor([r.output_ids[-1] for r in reqs], device=dev)         # (B,)
-        if self._step_graph_fits(reqs, root_hidden):
-            return self._decode_graph(reqs, rows, seq_lens, d, root_logits, root_hidden, root,
-                                      t0)
         pool = self.loop.run(reqs, root_logits, root_hidden, seq_lens, d.slots,
                              d.decode_meta, contexts_of, d.reorder_kv)
         tree = build_tree(root, pool.tokens, pool.parents, organize(pool.scores, N),
@@ -230,21 +229,25 @@ class EagleWorker:
         self.timings["accept"] += t3 - t2
         return self._step_result(reqs, vslots, good, acc, toks, lps, hid, window)
 
-    def _step_graph_fits(self, reqs, root_hidden) -> bool:
-        return (self.step_graphs is not None and root_hidden is not None
+    def _step_graph_fits(self, reqs) -> bool:
+        return (self.step_graphs is not None and reqs[0].draft_state[1] is not None
                 and self.step_graphs.bucket(len(reqs)) is not None
                 and all(r.params.greedy and not r.params.has_penalties
                         and r.params.logprobs is None for r in reqs))
 
-    def _decode_graph(self, reqs, rows, seq_lens, d, root_logits, root_hidden, root,
-                      t0) -> StepResult:
-        """A greedy step as one replay (speculative/graphs.py): the host takes the verify
-        slots too, then reads [usable, accept_len, committed...] at the sync."""
-        vslots = self.slots.alloc_verify(reqs, rows, seq_lens)                     # (B, N) cpu
-        host_t, window = self.step_graphs.run(root_logits, root_hidden, seq_lens, rows, root,
-                                              d.slots, vslots.to(seq_lens.device))
+    def _decode_graph(self, reqs, t0) -> StepResult:
+        """A greedy step as one replay (speculative/graphs.py): the host takes the draft and
+        the verify slots, the graph writes the tables, and the host reads [usable,
+        accept_len, committed...] at the sync."""
+        dslots, owned = self.slots.alloc_draft(reqs)                              # (B, K, S)
+        try:
+            vslots = self.slots.alloc_verify_slots(reqs)                          # (B, N) cpu
+        except BaseException:
+            self.res.allocator.free(torch.cat(owned))
+            raise
+        host_t, window = self.step_graphs.run(reqs, dslots, vslots)
         host = host_t.tolist()                                                    # the sync
-        self.slots.release_draft(d)
+        self.res.allocator.free(torch.cat(owned))
         good, acc, toks = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
         self.timings["verify"] += time.perf_counter() - t0    # the whole step, one replay
         return self._step_result(reqs, vslots, good, acc, toks, [None] * len(reqs), None,

@@ -1,13 +1,13 @@
 """A greedy EAGLE step as one CUDA graph per batch bucket (`SpecStepGraphs`), replayed by
-the EagleWorker between the host's slot work (`prepare_draft`: draft slots, req_to_token
-entries, the draft kv-indices; `alloc_verify`) and the step's one sync.
+the EagleWorker between the host's slot allocation (`DraftSlots.alloc_draft`,
+`alloc_verify_slots`) and the step's one sync.
 
-Static inputs: each request's draft distribution and hidden state at the root, its committed
-length, its req_to_token row, the root token, the draft write slots (B, K, S), the verify
-slots (B, N) and a live-row flag. The draft kv-indices buffers are the DraftSlots' own (fixed
-addresses). Only greedy batches without penalties or logprobs replay: a sampled step draws
-with each request's own generator in the host's order, and those batches run eagerly (with
-the verify forward replayed from `VerifyGraphs`).
+Static inputs: each request's draft distribution and hidden state at the root, and one packed
+int64 block of its committed length, req_to_token row, root token, live-row flag, draft write
+slots (B, K, S) and verify slots (B, N). The draft kv-indices buffers are the DraftSlots' own
+(fixed addresses), filled inside the graph. Only greedy batches without penalties or
+logprobs replay: a sampled step draws with each request's own generator in the host's order,
+and those batches run eagerly (with the verify forward replayed from `VerifyGraphs`).
 """
 
 from __future__ import annotations
@@ -24,15 +24,18 @@ from eaglekv.speculative.tree import build_tree, organize
 
 
 class SpecStepGraphs(CapturedForwards):
-    """A whole greedy EAGLE step on the device, one graph per batch bucket: the draft loop and
-    the tree, the verify forward under the tree mask, greedy acceptance, the commit moves of
-    the accepted K/V and the draft extend over the verify window. The host allocates the
-    draft and the verify slots before the replay (both held at once: `DraftSlots.peak_pages`
-    counts them together), then reads one small tensor at the step's sync:
-    [usable, accept_len, committed tokens...] per request.
+    """A whole greedy EAGLE step on the device, one graph per batch bucket: the draft's
+    req_to_token entries and kv lists, the draft loop and the tree, the verify window's
+    req_to_token entries, the verify forward under the tree mask, greedy acceptance, the
+    commit moves of the accepted K/V and the draft extend over the verify window. The host
+    allocates the draft and the verify slots before the replay (both held at once:
+    `DraftSlots.peak_pages` counts them together), packs every per-request input into one
+    pinned block (one host-to-device copy), then reads one small tensor at the step's sync:
+    [usable, accept_len, committed tokens...] per request. So a step costs the host five
+    device calls: the copy, two root copies, the replay and the read.
 
-    A padded row has committed length 0, row 0 of req_to_token (the padding row) and only
-    slot 0 (the padding page) to write: it reads and writes no request's KV."""
+    A padded row has committed length 0, row 0 of req_to_token (the padding row), live 0 and
+    only slot 0 (the padding page) to write: it reads and writes no request's KV."""
 
     name = "spec step"
     first_call_id = 4 << 20
@@ -43,27 +46,46 @@ class SpecStepGraphs(CapturedForwards):
         self.worker = worker
         S, K, N, n, dev = worker.S, worker.K, worker.N, self.buckets[-1], res.device
         V, H = res.model.cfg.vocab_size, res.model.cfg.hidden_size
-        z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
         self.root_logits = torch.zeros(n, V, dtype=res.dtype, device=dev)
         self.root_hidden = torch.zeros(n, H, dtype=res.dtype, device=dev)
-        self.seq_lens, self.live, self.rows, self.root = z(n), z(n), z(n), z(n)
-        self.dslots, self.vslots = z(n, K, S), z(n, N)
+        # the packed inputs: [seq_lens | rows | root | live | draft slots (n*K*S) | verify
+        # slots (n*N)], each region sized for the largest bucket; a bucket uses the first
+        # b (b*K*S, b*N) entries of each, so every view is contiguous
+        self.widths = (1, 1, 1, 1, K * S, N)
+        self.offsets = [0]
+        for w in self.widths:
+            self.offsets.append(self.offsets[-1] + w * n)
+        self.host = torch.zeros(self.offsets[-1], dtype=torch.int64)
+        if capture:
+            self.host = self.host.pin_memory()
+        self.host_np = self.host.numpy()
+        self.inputs = torch.zeros(self.offsets[-1], dtype=torch.int64, device=dev)
         self.extend_len = torch.full((n,), N, dtype=torch.int64, device=dev)
         self.q_start = torch.arange(n, device=dev) * N
+        self.lens_sum: int | None = 0        # the eager (capture=False) forward's seq_lens sum
         self.capture_all(progress)
+
+    def _views(self, b: int, x) -> list:
+        """The regions of the packed block `x` (device tensor or host array) for bucket b."""
+        w = self.worker
+        out = [x[o:o + b * width] for o, width in zip(self.offsets, self.widths)]
+        out[4] = out[4].reshape(b, w.K, w.S)
+        out[5] = out[5].reshape(b, w.N)
+        return out
 
     def _forward(self, b: int):
         w, res = self.worker, self.worker.res
         S, N = w.S, w.N
-        L, rows, vslots = self.seq_lens[:b], self.rows[:b], self.vslots[:b]
-        # 1. draft: S - 1 forwards over the branches, then the tree
-        d = DraftBatch(w.slots, self.dslots[:b], [])
-        pool = w.loop.run(None, self.root_logits[:b], self.root_hidden[:b], L,
-                          self.dslots[:b], d.decode_meta, None, d.reorder_kv,
-                          live=self.live[:b])
-        tree = build_tree(self.root[:b], pool.tokens, pool.parents, organize(pool.scores, N),
-                          None)
+        L, rows, root, live, dslots, vslots = self._views(b, self.inputs)
+        # 1. draft: its slots into req_to_token, its kv lists (guarded), S - 1 forwards over
+        # the branches, then the tree
+        w.slots.write_draft_tables(rows, L, dslots, None if self.capture else self.lens_sum)
+        d = DraftBatch(w.slots, dslots, [])
+        pool = w.loop.run(None, self.root_logits[:b], self.root_hidden[:b], L, dslots,
+                          d.decode_meta, None, d.reorder_kv, live=live)
+        tree = build_tree(root, pool.tokens, pool.parents, organize(pool.scores, N), None)
         # 2. verify: N nodes per request at L + depth under the tree mask
+        w.slots.write_verify_table(rows, L, vslots)
         meta = TritonAttnMetadata(kv_start=rows * self.backend.width,
                                   out_cache_loc=vslots.reshape(-1), kv_len=None, prefix_len=L,
                                   extend_len=self.extend_len[:b], q_start=self.q_start[:b],
@@ -87,19 +109,28 @@ class SpecStepGraphs(CapturedForwards):
         host = torch.cat([ok[:, None].long(), vr.accept_len[:, None], committed], 1)
         return host, window
 
-    def run(self, root_logits, root_hidden, seq_lens, rows, root, dslots, vslots):
-        """One greedy step of n requests (device tensors; draft kv-indices prepared, verify
-        slots in req_to_token) -> (host (n, S + 3) int64, DraftOut of the next roots), views
-        of the graph's buffers valid until the next replay."""
-        n = seq_lens.shape[0]
+    def run(self, reqs, dslots: torch.Tensor, vslots: torch.Tensor):
+        """One greedy step of the n requests `reqs` (draft slots (n, K, S) and verify slots
+        (n, N) allocated, on the host) -> (host (n, S + 3) int64, DraftOut of the next roots),
+        views of the graph's buffers valid until the next replay."""
+        n = len(reqs)
         b = self.bucket(n)
-        for dst, src in ((self.root_logits, root_logits), (self.root_hidden, root_hidden),
-                         (self.seq_lens, seq_lens), (self.rows, rows), (self.root, root),
-                         (self.dslots, dslots), (self.vslots, vslots)):
-            dst[:n].copy_(src)
-        self.live[:n].fill_(1)
-        if b > n:     # rows a larger batch left: padding again
-            for buf in (self.seq_lens, self.live, self.rows, self.dslots, self.vslots):
-                buf[n:b].zero_()
+        lens = [r.kv_len for r in reqs]
+        self.lens_sum = sum(lens)
+        self.worker.slots.check_fit(self.lens_sum, b)      # guard 2, padded rows included
+        h = self.host_np
+        h[:] = 0                                           # padded rows: row 0, slot 0, dead
+        L, rows, root, live, ds, vs = self._views(b, h)
+        L[:n], rows[:n], live[:n] = lens, [r.row for r in reqs], 1
+        root[:n] = [r.output_ids[-1] for r in reqs]
+        ds[:n], vs[:n] = dslots.numpy(), vslots.numpy()
+        # the host block is not written again before the step's sync: the copy is done then
+        self.inputs.copy_(self.host, non_blocking=True)
+        if n == 1:
+            self.root_logits[0].copy_(reqs[0].draft_state[0])
+            self.root_hidden[0].copy_(reqs[0].draft_state[1])
+        else:
+            torch.stack([r.draft_state[0] for r in reqs], out=self.root_logits[:n])
+            torch.stack([r.draft_state[1] for r in reqs], out=self.root_hidden[:n])
         host, window = self._replay(b)
         return host[:n], DraftOut(window.logits[:n], window.hidden[:n])

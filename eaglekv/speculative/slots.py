@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from eaglekv.kernels.draft_kv_indices import (assign_draft_cache_locs, draft_kv_indices_buffer_width,
-                                              draft_region_extra, generate_draft_decode_kv_indices)
+from eaglekv.kernels.draft_kv_indices import (assign_draft_cache_locs, check_draft_kv_indices_fit,
+                                              draft_kv_indices_buffer_width,
+                                              draft_kv_indices_used_len, draft_region_extra,
+                                              generate_draft_decode_kv_indices)
 
 
 def extra_columns(spec, page_size: int) -> int:
@@ -85,22 +87,54 @@ class DraftSlots:
         return draft + verify if self.hold_both else max(draft, verify)
 
     # ---- draft phase ----------------------------------------------------------------------------
+    def alloc_draft(self, reqs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Page size 1 or topk 1 (the step graph's case): (B, K, S) cpu draft write slots,
+        request b's branch t at positions L_b + t*S + s, and the slots to free after the
+        draft phase. Host work only: the step graph writes the tables itself."""
+        alloc, S, K = self.res.allocator, self.S, self.K
+        if self.ps == 1:
+            slots = alloc.alloc_rows(len(reqs), K * S)                           # [t][s] order
+            return slots.view(len(reqs), K, S), [slots.view(-1)]
+        owned = [alloc.alloc(K * S, r.kv_len, r.last_slot) for r in reqs]
+        return torch.stack(owned).view(len(reqs), K, S), owned
+
+    def check_fit(self, seq_lens_sum: int, batch: int) -> None:
+        """Guard 2 for one step: the draft kv lists of `batch` requests whose committed
+        lengths sum to `seq_lens_sum` fit the kv_indices buffer (host ints, no sync)."""
+        check_draft_kv_indices_fit(
+            draft_kv_indices_used_len(seq_lens_sum, self.K, batch * self.K, self.S),
+            self.kv_indices.shape[1])
+
+    def write_draft_tables(self, rows: torch.Tensor, seq_lens: torch.Tensor,
+                           slots: torch.Tensor, seq_lens_sum: int | None) -> None:
+        """Device side of the draft phase (page size 1 or topk 1): the draft slots (B, K, S)
+        into req_to_token, then the per-step kv lists; every slot the draft will read is
+        checked here, before any K/V is written. `seq_lens_sum` None: summed from seq_lens
+        (a host sync on CUDA; a step graph checks the fit on the host before its replay)."""
+        res = self.res
+        r2t = res.req_to_token.req_to_token
+        assign_draft_cache_locs(r2t, rows, seq_lens, slots.reshape(-1), self.K, self.S,
+                                self.ps, None)
+        generate_draft_decode_kv_indices(r2t, rows, seq_lens, self.K, self.S, self.ps,
+                                         self.kv_indices, self.kv_indptr,
+                                         res.kv_pool.size_limit, seq_lens_sum=seq_lens_sum)
+
     def prepare_draft(self, reqs, rows: torch.Tensor, seq_lens: torch.Tensor) -> DraftBatch:
         res, S, K, ps = self.res, self.S, self.K, self.ps
+        paged_tree = ps > 1 and K > 1
+        if not paged_tree:
+            slots, owned = self.alloc_draft(reqs)
+            slots_dev = slots.to(res.device)
+            self.write_draft_tables(rows, seq_lens, slots_dev,
+                                    sum(r.kv_len for r in reqs))
+            return DraftBatch(self, slots_dev, owned)
         alloc = res.allocator
         B = len(reqs)
         slots = torch.empty(B, K, S, dtype=torch.int64)                        # cpu
-        owned, copy_locs, copy_src = [], None, []
-        paged_tree = ps > 1 and K > 1
-        if paged_tree:
-            copy_locs = torch.zeros(B, K - 1, ps, dtype=torch.int64)
+        owned, copy_src = [], []
+        copy_locs = torch.zeros(B, K - 1, ps, dtype=torch.int64)
         for b, r in enumerate(reqs):
             L = r.kv_len
-            if not paged_tree:
-                s = alloc.alloc(K * S, L, r.last_slot)                         # [t][s] order
-                slots[b] = s.view(K, S)
-                owned.append(s)
-                continue
             s0 = alloc.alloc(S, L, r.last_slot)       # branch 0 continues the prefix's page
             slots[b, 0] = s0
             owned.append(s0)
@@ -116,7 +150,7 @@ class DraftSlots:
         slots_dev = slots.to(dev)
         r2t = res.req_to_token.req_to_token
         assign_draft_cache_locs(r2t, rows, seq_lens, slots_dev.reshape(-1), K, S, ps,
-                                None if copy_locs is None else copy_locs.to(dev))
+                                copy_locs.to(dev))
         # every slot the draft will read is checked here, before any K/V is written
         generate_draft_decode_kv_indices(r2t, rows, seq_lens, K, S, ps, self.kv_indices,
                                          self.kv_indptr, res.kv_pool.size_limit,
@@ -137,11 +171,21 @@ class DraftSlots:
         self.res.allocator.free(torch.cat(d.owned))
 
     # ---- verify window --------------------------------------------------------------------------
+    def alloc_verify_slots(self, reqs) -> torch.Tensor:
+        """(B, N) cpu slots for positions L_b .. L_b + N - 1 (host work only)."""
+        alloc, N = self.res.allocator, self.N
+        if self.ps == 1:
+            return alloc.alloc_rows(len(reqs), N)
+        return torch.stack([alloc.alloc(N, r.kv_len, r.last_slot) for r in reqs])  # (B, N)
+
+    def write_verify_table(self, rows: torch.Tensor, seq_lens: torch.Tensor,
+                           vslots: torch.Tensor) -> None:
+        """req_to_token[row_b, L_b + j] = vslots[b, j] (device tensors; no host read)."""
+        cols = seq_lens[:, None] + torch.arange(self.N, device=seq_lens.device)[None, :]
+        self.res.req_to_token.req_to_token[rows[:, None], cols] = vslots.to(torch.int32)
+
     def alloc_verify(self, reqs, rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """(B, N) cpu slots for positions L_b .. L_b + N - 1, written into req_to_token."""
-        alloc, N = self.res.allocator, self.N
-        vslots = torch.stack([alloc.alloc(N, r.kv_len, r.last_slot) for r in reqs])  # (B, N)
-        cols = seq_lens[:, None] + torch.arange(N, device=seq_lens.device)[None, :]  # (B, N)
-        self.res.req_to_token.req_to_token[rows[:, None], cols] = vslots.to(
-            seq_lens.device, torch.int32)
+        vslots = self.alloc_verify_slots(reqs)
+        self.write_verify_table(rows, seq_lens, vslots.to(seq_lens.device))
         return vslots

@@ -516,3 +516,22 @@ def test_alloc_decode_bad_last_slot_raises(ps, last):
     with pytest.raises(AllocatorError, match="last_slot"):
         a.alloc_decode([2], [bad])
     assert_same_state(a, snap)
+
+
+def test_alloc_rows_takes_distinct_free_slots_all_or_nothing():
+    a = SlotAllocator(16, 1)
+    first = a.alloc(3)
+    rows = a.alloc_rows(4, 3)                          # 4 requests x 3 slots
+    assert rows.shape == (4, 3)
+    taken = torch.cat([first, rows.view(-1)])
+    assert taken.unique().numel() == 15 and bool((taken >= 1).all())
+    assert a.available_slots() == 1
+    with pytest.raises(OutOfKVMemoryError):
+        a.alloc_rows(1, 2)                             # 2 > 1 free: nothing taken
+    assert a.available_slots() == 1
+    a.free(rows.view(-1))
+    a.free(first)
+    a.check_integrity()
+    assert a.available_slots() == 16
+    with pytest.raises(AllocatorError, match="page_size 1"):
+        SlotAllocator(16, 4).alloc_rows(1, 2)

@@ -1,0 +1,154 @@
+"""Issue 13's device-side questions, measured on the GPU before choosing what to build:
+
+  matmul:    a decode matmul with the weight stored (in, out) row-major (`x @ w_t`, the
+             engine's layout, cuBLAS "NN") against the same weight stored (out, in) and used
+             transposed (`x @ w.t()`, nn.Linear's layout, cuBLAS "TN"): SmolLM2's and
+             Llama-3.1-8B's shapes at M = 1, 4, 16, 64, each replayed in one CUDA graph over
+             enough copies of the weight to stream from HBM, not L2.
+  attention: the Triton decode attention at batch 1 (SmolLM2's heads) for kv lengths 64-4096
+             and split-K 1-16 (a split count > 1 adds a merge kernel).
+  chain:     plain decoding at batch 1 on a random SmolLM2-shaped model, chains of 8, 16, 32,
+             64 greedy steps per engine step (num_scheduler_steps).
+
+    PYTHONPATH=. python3 bench/explore_h200.py OUT_DIR [--parts matmul,attention,chain]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+SHAPES = {  # name: (K, N) of the weight, i.e. x (M, K) @ w (K, N)
+    "smollm2.qkv": (576, 960), "smollm2.o": (576, 576), "smollm2.gate_up": (576, 3072),
+    "smollm2.down": (1536, 576), "smollm2.lm_head": (576, 49152),
+    "8b.qkv": (4096, 6144), "8b.o": (4096, 4096), "8b.gate_up": (4096, 28672),
+    "8b.down": (14336, 4096),
+}
+
+
+def graph_time(fn, reps: int = 20) -> float:
+    """Mean ms of one replay of `fn` captured in a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def part_matmul() -> list[dict]:
+    rows = []
+    for name, (K, N) in SHAPES.items():
+        nbytes = K * N * 2
+        copies = max(2, min(64, -(-400_000_000 // nbytes)))     # >= 400 MB streamed per replay
+        for layout in ("in_out", "out_in_t"):
+            if layout == "in_out":
+                ws = [torch.randn(K, N, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+            else:
+                ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16).t()
+                      for _ in range(copies)]
+            for M in (1, 4, 16, 64):
+                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+
+                def fn():
+                    for w in ws:
+                        x @ w
+                ms = graph_time(fn) / copies
+                rows.append({"shape": name, "K": K, "N": N, "layout": layout, "M": M,
+                             "us": round(1e3 * ms, 2),
+                             "TBps": round(nbytes / (ms * 1e-3) / 1e12, 3)})
+            del ws
+            torch.cuda.empty_cache()
+        print(json.dumps([r for r in rows if r["shape"] == name and r["M"] == 1]), flush=True)
+    return rows
+
+
+def part_attention() -> list[dict]:
+    from eaglekv.kernels.attention import decode_attention
+    H, Hkv, D, layers = 9, 3, 64, 30
+    rows = []
+    for L in (64, 256, 512, 1024, 2048, 4096):
+        slots = L + 64
+        kb = [torch.randn(slots, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+        vb = [torch.randn(slots, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+        table = torch.arange(1, L + 1, device="cuda", dtype=torch.int32)
+        q = torch.randn(1, H, D, device="cuda", dtype=torch.bfloat16)
+        start = torch.zeros(1, dtype=torch.int64, device="cuda")
+        klen = torch.full((1,), L, dtype=torch.int64, device="cuda")
+        for splits in (1, 2, 4, 8, 16):
+            def fn():
+                for i in range(layers):
+                    decode_attention(q, kb[i], vb[i], table, start, klen, D ** -0.5,
+                                     size_limit=slots, num_splits=splits)
+            ms = graph_time(fn) / layers
+            rows.append({"kv_len": L, "splits": splits, "us": round(1e3 * ms, 2)})
+        print(json.dumps([r for r in rows if r["kv_len"] == L]), flush=True)
+    return rows
+
+
+def part_chain() -> list[dict]:
+    sys.path.insert(0, os.path.dirname(__file__))
+    from profile_step import make_model
+
+    from eaglekv import Engine, EngineConfig, SamplingParams
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        make_model(d)
+        for k in (8, 16, 32, 64):
+            e = Engine(EngineConfig(model=d, dtype="bfloat16", device="cuda",
+                                    max_running_requests=4, max_total_tokens=8192,
+                                    num_scheduler_steps=k))
+            p = SamplingParams(max_new_tokens=256, ignore_eos=True)
+            e.generate([[1, 2, 3, 4, 5, 6, 7, 8]], p)                 # warm
+            best = 0.0
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                out = e.generate([[1, 2, 3, 4, 5, 6, 7, 8]], p)
+                torch.cuda.synchronize()
+                best = max(best, len(out[0].token_ids) / (time.perf_counter() - t))
+            rows.append({"num_scheduler_steps": k, "tok_s": round(best, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+            del e
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--parts", default="matmul,attention,chain")
+    a = ap.parse_args()
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "command": "PYTHONPATH=. python3 bench/explore_h200.py " + " ".join(sys.argv[1:])}
+    for part in a.parts.split(","):
+        t = time.time()
+        res[part] = globals()[f"part_{part}"]()
+        print(f"# {part}: {time.time() - t:.0f} s", flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "explore_h200.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Host time of one engine step with the device work taken out: the captured forwards
+(DecodeGraphs, SpecStepGraphs) are replaced by stubs that return fixed outputs, so what is
+timed is the scheduler, the allocator, the packing of the graph inputs and the commit, i.e. the
+part of a GPU step that no CUDA graph hides. Also counts the torch ops the host dispatches per
+step outside the stubbed forward (each costs ~20-30 us of launch on the H200's host).
+
+    python bench/host_step.py [--batches 1,4,16,64] [--steps 200] [--out F.json]
+
+A tiny random Llama on the CPU; the figures are this CPU's, for comparing commits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import torch  # noqa: E402
+
+from eaglekv import SamplingParams  # noqa: E402
+from eaglekv.cuda_graph import DecodeGraphs  # noqa: E402
+from eaglekv.speculative.drafter import DraftOut  # noqa: E402
+from eaglekv.speculative.graphs import SpecStepGraphs  # noqa: E402
+from helpers import make_tiny, spec, tiny_engine  # noqa: E402
+
+
+def stub_decode(graphs: DecodeGraphs, vocab: int) -> None:
+    logits = torch.zeros(graphs.buckets[-1], vocab)
+    greedy = torch.tensor([[7, 1]] * graphs.buckets[-1])
+    graphs._forward = lambda b: (logits[:b], greedy[:b])
+
+
+def stub_spec(g: SpecStepGraphs, vocab: int, hidden: int) -> None:
+    w, n = g.worker, g.buckets[-1]
+    host = torch.tensor([[1, w.S] + [7] * (w.S + 1)] * n)
+    out = DraftOut(torch.zeros(n, vocab), torch.zeros(n, hidden))
+    g._forward = lambda b: (host[:b], DraftOut(out.logits[:b], out.hidden[:b]))
+
+
+def count_ops(fn) -> Counter:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return Counter({e.key: e.count for e in prof.key_averages()
+                    if e.key.startswith("aten::") and not e.key.startswith("aten::_")})
+
+
+def run(tiny: Path, mode: str, batch: int, steps: int) -> dict:
+    kw = dict(max_running_requests=max(batch, 2), attention_backend="triton",
+              max_total_tokens=batch * (steps * 8 + 64) + 256)
+    if mode != "plain":
+        kw["speculative"] = spec("eagle", 5, 1, 6)
+    else:
+        kw["num_scheduler_steps"] = 8
+    e = tiny_engine(tiny, **kw)
+    cfg = e.model_config
+    if mode == "plain":
+        e.runner.graphs = DecodeGraphs(e.model, e.backend, batch, e.max_context_len,
+                                       progress=False, capture=False)
+        stub_decode(e.runner.graphs, cfg.vocab_size)
+    else:
+        w = e.runner
+        w.slots.hold_both = True
+        w.step_graphs = SpecStepGraphs(w, batch, progress=False, capture=False)
+        stub_spec(w.step_graphs, cfg.vocab_size, cfg.hidden_size)
+    sp = SamplingParams(max_new_tokens=steps * 8, ignore_eos=True)
+    reqs = [e.add_request([5, 17, 42, i % 200 + 1], sp) for i in range(batch)]
+    while any(not r.output_ids for r in reqs):
+        e.step()
+    for _ in range(3):
+        e.step()
+    ops = count_ops(e.step)
+    t = time.perf_counter()
+    n0 = sum(len(r.output_ids) for r in reqs)
+    done = 0
+    for _ in range(steps):
+        if any(r.finished for r in reqs):
+            break
+        e.step()
+        done += 1
+    dt = time.perf_counter() - t
+    toks = sum(len(r.output_ids) for r in reqs) - n0
+    return {"mode": mode, "batch": batch, "steps": done,
+            "host_ms_per_step": 1e3 * dt / done, "host_us_per_token": 1e6 * dt / toks,
+            "tokens_per_step": toks / done, "torch_ops_per_step": sum(ops.values()),
+            "top_ops": dict(ops.most_common(12))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        make_tiny(Path(d))
+        for b in [int(x) for x in a.batches.split(",")]:
+            for mode in ("plain", "eagle S5K1N6"):
+                r = run(Path(d), mode, b, a.steps)
+                rows.append(r)
+                print(f"{mode:14s} b{b:<3d} {r['host_ms_per_step']:.3f} ms/step "
+                      f"{r['host_us_per_token']:.1f} us/token  {r['torch_ops_per_step']} ops/step")
+    out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "device": f"host only, {platform.processor() or platform.machine()}",
+           "command": "python " + " ".join(sys.argv), "rows": rows}
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
