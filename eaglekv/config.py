@@ -229,9 +229,12 @@ class SpecConfig:
         return cls(**options)
 
 
-# a decode chain of 8 hides the H200 host's ~0.3 ms of per-step work behind 8 replays; a
-# request that stops early wastes at most 7 steps of its own row
-DEFAULT_SCHEDULER_STEPS = 8
+# a decode chain pays the host's per-engine-step work (schedule, slots, sync, commit: ~1.8
+# ms on the H200's host) once per k tokens. Measured there at batch 1 (random SmolLM2-shaped
+# weights, bench/explore_h200.py, 2026-12-04): k = 8 / 16 / 32 / 64 -> 812 / 853 / 895 / 907
+# tok/s. A request that stops early wastes at most k - 1 steps of its own row, and a stream
+# receives its tokens k at a time (--num-scheduler-steps 1 streams token by token)
+DEFAULT_SCHEDULER_STEPS = 32
 
 
 @dataclass(frozen=True)

@@ -169,12 +169,62 @@ def norm_matmul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     there) the Triton kernel takes M <= NORM_MATMUL_MAX_ROWS (a decode-sized batch: three
     launches become one); otherwise the separate ops run, the matmul through `matmul(h, w)`
     (default `h @ w`)."""
-    if FUSE_NORM_MATMUL and use_triton(x) and x.shape[0] <= NORM_MATMUL_MAX_ROWS:
+    if use_gemv(x, w):
+        return _triton_impl().gemv_triton(x, residual, norm_weight, float(eps), w, silu_mul,
+                                          _check_gemv)
+    if (FUSE_NORM_MATMUL and use_triton(x) and x.shape[0] <= NORM_MATMUL_MAX_ROWS
+            and w.stride(-1) == 1):
         return _triton_impl().norm_matmul_triton(x, residual, norm_weight, float(eps), w,
                                                  silu_mul, _check_norm_matmul)
     h, new_residual = add_rms_norm(x, residual, norm_weight, eps, checked=False)
     y = h @ w if matmul is None else matmul(h, w)
     return (silu_and_mul(y, checked=False) if silu_mul else y), new_residual
+
+
+# ------------------------------------------------------------------------------------ gemv
+
+GEMV_MAX_ROWS = 4            # decode-sized batches; from 8 rows on cuBLAS's tiles win
+# Off by default: measured on the H200 (bench/results/explore_gemv_h200.json, 2026-12-04) the
+# best block sizes of this kernel run SmolLM2's decode matmuls in 5.1-9.6 us against cuBLAS's
+# 3.3-5.1 us (the 8B's in 28-105 against 13-57), and plain decoding at batch 1 drops from 958
+# to 782 tok/s with it. EAGLEKV_GEMV=1 turns it on (weights re-laid out at load, model/llama.py).
+FUSE_GEMV = os.environ.get("EAGLEKV_GEMV") == "1"
+
+
+def column_major(w: torch.Tensor) -> torch.Tensor:
+    """The same (K, N) matrix stored as the transpose of an (N, K) row-major weight
+    (nn.Linear's layout): `gemv` then streams whole weight rows, and `x @ w` is cuBLAS's
+    transposed operand (measured on the H200 at the speed of the (K, N) layout, M = 1-64)."""
+    return w.t().contiguous().t()
+
+
+def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The gemv kernel takes this matmul: on, a decode-sized x (M <= GEMV_MAX_ROWS) on a
+    Triton device and a column-major w (see `column_major`)."""
+    return (FUSE_GEMV and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS
+            and w.dim() == 2 and w.stride(0) == 1 and w.shape[1] > 1 and use_triton(x))
+
+
+def _check_gemv(x, residual, norm_weight, w, silu_mul) -> None:
+    op = "gemv"
+    if norm_weight is not None:
+        _check_add_rms_norm(x, residual, norm_weight)
+    _expect(op, "x", x, (None, None), FLOAT_DTYPES, x.device)
+    _expect(op, "w", w, (x.shape[1], None), (x.dtype,), x.device)
+    if silu_mul and w.shape[1] % 2:
+        raise ValueError(f"{op}: w has shape {tuple(w.shape)}, expected (K, 2I) for silu_mul")
+    if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+        raise ValueError(f"{op}: x and residual must be contiguous along their last dimension")
+    if x.shape[0] > 16:
+        raise ValueError(f"{op}: x has {x.shape[0]} rows; the kernel takes at most 16")
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (M, K) @ w (K, N) by the matrix-vector kernel (M <= 16; fast for a column-major w);
+    the reference is `x @ w`."""
+    if not use_triton(x):
+        return x @ w
+    return _triton_impl().gemv_triton(x, None, None, 0.0, w, False, _check_gemv)[0]
 
 
 # -------------------------------------------------------------------------- rope_store_qkv

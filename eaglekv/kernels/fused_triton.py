@@ -272,6 +272,104 @@ def norm_matmul_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, 
 _NORM_MATMUL = CachedLaunch(_norm_matmul_kernel)
 
 
+GEMV_CONFIG = {"block_n": 8, "block_k": 256, "num_warps": 4}   # measured: bench/explore_h200.py
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s0, r_s0,
+                 w_sk, w_sn, eps, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BY_HAND: tl.constexpr):
+    """Program j: output columns [j*BLOCK_N, (j+1)*BLOCK_N) of all M <= BLOCK_M rows of
+        h = x                                              (NORM off), or
+        s = round(x + r); h = round(s * rsqrt(mean(s^2) + eps) * nw)    (NORM, as norm_matmul)
+        y = round(h @ W)   (SILU: W = [gate | up], y = round(silu(round(g)) * round(u)))
+    as a matrix-vector product: W (K, N) is read along k, which is contiguous when W is the
+    transpose of an (N, K) row-major weight (nn.Linear's layout, `w_sk == 1`): each program
+    streams BLOCK_N whole weight rows, so a decode-sized matmul spreads over N / BLOCK_N
+    programs with no split-K. fp32 products summed in fp32, rounded once. Programs j == 0
+    write the new residual s."""
+    j = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M).to(tl.int64)
+    rm = rows < M
+    ks = tl.arange(0, BLOCK_K)
+    cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cm = cols < N_OUT
+    inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM:
+        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):                                   # pass 1: mean(s^2)
+            kk = k0 + ks
+            m2 = rm[:, None] & (kk < K)[None, :]
+            s = tl.load(x_ptr + rows[:, None] * x_s0 + kk[None, :], mask=m2, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(r_ptr + rows[:, None] * r_s0 + kk[None, :], mask=m2, other=0.0)
+                s = _round(s.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty,
+                           BY_HAND)
+            s = s.to(tl.float32)
+            sq += tl.sum(s * s, axis=1)
+        inv = tl.rsqrt(sq / K + eps)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):                                       # pass 2: h @ W
+        kk = k0 + ks
+        km = kk < K
+        if NORM:
+            h = _norm_rows(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, kk, km, x_s0, r_s0, K,
+                           inv, HAS_RESIDUAL, j == 0, BY_HAND)
+        else:
+            h = tl.load(x_ptr + rows[:, None] * x_s0 + kk[None, :],
+                        mask=rm[:, None] & km[None, :], other=0.0)
+        h = h.to(tl.float32)[:, None, :]                                  # (BM, 1, BK)
+        wm = cm[:, None] & km[None, :]
+        w_at = w_ptr + cols[:, None] * w_sn + kk.to(tl.int64)[None, :] * w_sk   # (BN, BK)
+        w = tl.load(w_at, mask=wm, other=0.0).to(tl.float32)
+        acc += tl.sum(h * w[None, :, :], axis=2)
+        if SILU:
+            u = tl.load(w_at + N_OUT * w_sn, mask=wm, other=0.0).to(tl.float32)
+            acc2 += tl.sum(h * u[None, :, :], axis=2)
+    dt = out_ptr.dtype.element_ty
+    y = _round(acc, dt, BY_HAND)
+    if SILU:
+        g = y.to(tl.float32)
+        u = _round(acc2, dt, BY_HAND).to(tl.float32)
+        y = _round(g * tl.sigmoid(g) * u, dt, BY_HAND)
+    tl.store(out_ptr + rows[:, None] * N_OUT + cols[None, :], y,
+             mask=rm[:, None] & cm[None, :])
+
+
+def gemv_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, check,
+                block_n: int | None = None, block_k: int | None = None,
+                num_warps: int | None = None):
+    """x (M <= 16, K) contiguous rows, w (K, N) any strides (fast when w.stride(0) == 1);
+    norm_weight None: y = x @ w only (residual unused) -> (y, new residual or None)."""
+    norm = norm_weight is not None
+    r = x if residual is None else residual
+    key = (_sig(x), residual is None, _sig(r), norm and _sig(norm_weight), _sig(w), silu_mul,
+           block_n, block_k, num_warps)
+    hit = _GEMV.lookup(key)
+    if hit is None:
+        check(x, residual, norm_weight, w, silu_mul)
+    M, K = x.shape
+    n_out = w.shape[1] // 2 if silu_mul else w.shape[1]
+    out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
+    new_res = (None if not norm else x if residual is None
+               else torch.empty((M, K), dtype=x.dtype, device=x.device))
+    if M:
+        bn = block_n or GEMV_CONFIG["block_n"]
+        bk = min(block_k or GEMV_CONFIG["block_k"], max(16, _pow2(K)))
+        args = (x, r, norm_weight if norm else x, w, out,
+                new_res if new_res is not None else out, M, K, n_out, x.stride(0),
+                r.stride(0), w.stride(0), w.stride(1), eps, norm, residual is not None,
+                silu_mul, _pow2(M), bn, bk, not x.is_cuda)
+        _GEMV.launch(hit, key, (-(-n_out // bn), 1), args, x.get_device(),
+                     num_warps=num_warps or GEMV_CONFIG["num_warps"], num_stages=2)
+    return out, new_res
+
+
+_GEMV = CachedLaunch(_gemv_kernel)
+
+
 @triton.jit(do_not_specialize=["pos_call", "slot_call"])
 def _rope_store_qkv_kernel(qkv_ptr, s0, s1, s2, cos_ptr, c_s0, c_s1, sin_ptr, n_s0, n_s1,
                            pos_ptr, p_s0, loc_ptr, l_s0, q_ptr, kc_ptr, vc_ptr, err_ptr,

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from eaglekv.core import ForwardBatch
 from eaglekv.errors import ModelLoadError
-from eaglekv.kernels.fused import add_rms_norm, norm_matmul
+from eaglekv.kernels import fused
+from eaglekv.kernels.fused import add_rms_norm, column_major, gemv, norm_matmul, use_gemv
 from eaglekv.model.config import ModelConfig
 from eaglekv.model.rope import RotaryEmbedding, to_interleaved
 
@@ -60,6 +61,8 @@ def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None)
             and w_t.dtype == torch.float32):
         y = torch.from_numpy(np.matmul(x.numpy(), w_t.numpy()))          # shares memory
         return y if bias is None else y.add_(bias)
+    if bias is None and use_gemv(x, w_t):   # a decode-sized batch on CUDA (fused.py)
+        return gemv(x, w_t)
     return torch.addmm(bias, x, w_t) if bias is not None else x @ w_t
 
 
@@ -224,6 +227,12 @@ class LlamaForCausalLM:
             p = f"layers.{i}."
             self.layers.append(DecoderLayer(cfg, {n[len(p):]: v for n, v in w.items()
                                                   if n.startswith(p)}, fused=True))
+        if self.device.type == "cuda" and fused.FUSE_GEMV:
+            # the (in, out) matrices stored as nn.Linear's (out, in) rows: the decode-sized
+            # matmuls go to the gemv kernel (kernels/fused.py), the others to cuBLAS
+            for layer in self.layers:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    setattr(layer, name, column_major(getattr(layer, name)))
         self.rope = RotaryEmbedding(cfg.hf_config, cfg.head_dim,
                                     max_positions or cfg.max_position_embeddings, device)
 

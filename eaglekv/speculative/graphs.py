@@ -62,7 +62,9 @@ class SpecStepGraphs(CapturedForwards):
         self.inputs = torch.zeros(self.offsets[-1], dtype=torch.int64, device=dev)
         self.extend_len = torch.full((n,), N, dtype=torch.int64, device=dev)
         self.q_start = torch.arange(n, device=dev) * N
-        self.lens_sum: int | None = 0        # the eager (capture=False) forward's seq_lens sum
+        # the batch's committed lengths summed on the host (guard 2's fit, checked in `run`
+        # before the replay; 0 while capturing: every row is padding then)
+        self.lens_sum = 0
         self.capture_all(progress)
 
     def _views(self, b: int, x) -> list:
@@ -79,7 +81,7 @@ class SpecStepGraphs(CapturedForwards):
         L, rows, root, live, dslots, vslots = self._views(b, self.inputs)
         # 1. draft: its slots into req_to_token, its kv lists (guarded), S - 1 forwards over
         # the branches, then the tree
-        w.slots.write_draft_tables(rows, L, dslots, None if self.capture else self.lens_sum)
+        w.slots.write_draft_tables(rows, L, dslots, self.lens_sum)
         d = DraftBatch(w.slots, dslots, [])
         pool = w.loop.run(None, self.root_logits[:b], self.root_hidden[:b], L, dslots,
                           d.decode_meta, None, d.reorder_kv, live=live)

@@ -611,3 +611,58 @@ def test_norm_matmul_bad_arguments_name_the_value(fuse_norm_matmul):
         norm_matmul(x, None, nw, EPS, randn(64, 7), silu_mul=True)
     with pytest.raises(TypeError, match="norm_matmul: w dtype torch.float16"):
         norm_matmul(x, None, nw, EPS, randn(64, 8, dtype=torch.float16))
+
+
+# ------------------------------------------------------------------------------------ gemv
+# (M, K, N): decode rows of the default model's matmuls (qkv, o, gate_up, down) on the GPU,
+# partial blocks of BLOCK_N and BLOCK_K under the interpreter
+GEMV_SHAPES = [(1, 64, 96), (3, 96, 40), (4, 300, 24)] + (
+    [(1, 576, 960), (2, 576, 576), (1, 576, 2 * 1536), (4, 1536, 576), (1, 4096, 6144)]
+    if ON_GPU else [])
+
+
+@pytest.mark.parametrize("M,K,N", GEMV_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prologue", ["none", "norm", "norm+residual"])
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("layout", ["column_major", "row_major"])
+def test_gemv_matches_reference(M, K, N, dtype, prologue, silu, layout):
+    """The matrix-vector kernel (decode-sized matmuls: gemv, and norm_matmul's fused path)
+    against the separate ops, for the weight in nn.Linear's layout (the engine's on CUDA) and
+    in the (in, out) one: the new residual bit-identical, the output within the matmul's
+    rounding relative to its scale."""
+    from eaglekv.kernels import fused
+    x = randn(M, K, dtype=dtype, seed=1)
+    w = randn(K, N, dtype=dtype, seed=4, scale=K ** -0.5)
+    if layout == "column_major":
+        w = fused.column_major(w)
+        assert w.stride(0) == 1 and fused.use_gemv(x, w)
+    if prologue == "none":
+        if silu:
+            pytest.skip("gemv alone has no SiLU epilogue")
+        got, want = fused.gemv(x, w), (x.cpu() @ w.cpu()).to(DEV)
+    else:
+        r = randn(M, K, dtype=dtype, seed=2) if prologue == "norm+residual" else None
+        nw = randn(K, dtype=dtype, seed=3, scale=0.2) + 1
+        got, got_res = fused._triton_impl().gemv_triton(x, r, nw, EPS, w, silu,
+                                                       fused._check_gemv)
+        want, want_res = fused.norm_matmul_torch(x.cpu(), None if r is None else r.cpu(),
+                                                 nw.cpu(), EPS, w.cpu().contiguous(),
+                                                 silu_mul=silu)
+        assert torch.equal(got_res.cpu(), want_res)
+    assert got.shape == want.shape == (M, N // 2 if silu else N) and got.dtype == dtype
+    scale = want.double().abs().max().clamp_min(1e-3)
+    err = (got.cpu().double() - want.cpu().double()).abs().max() / scale
+    assert err <= MATMUL_TOL[dtype], f"max error {float(err):.3g} of the output's scale"
+
+
+def test_gemv_takes_only_decode_rows_of_column_major_weights(monkeypatch):
+    from eaglekv.kernels import fused
+    w = fused.column_major(randn(64, 32))
+    assert fused.use_gemv(randn(fused.GEMV_MAX_ROWS, 64), w)
+    assert not fused.use_gemv(randn(fused.GEMV_MAX_ROWS + 1, 64), w)      # cuBLAS from 5 rows
+    assert not fused.use_gemv(randn(1, 64), randn(64, 32))                # (in, out) rows
+    monkeypatch.setattr(fused, "FUSE_GEMV", False)
+    assert not fused.use_gemv(randn(1, 64), w)
+    with pytest.raises(ValueError, match=r"gemv: w has shape \(32, 8\), expected \(64, \*\)"):
+        fused.gemv(randn(2, 64), randn(32, 8))
