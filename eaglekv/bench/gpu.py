@@ -35,6 +35,10 @@ MODES = {"plain": None,
          "eagle_chain_S3K1N4": dict(num_steps=3, topk=1, num_draft_tokens=4),
          "eagle_chain_S5K1N6": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "eagle_tree_S4K2N8": dict(num_steps=4, topk=2, num_draft_tokens=8),
+         "eagle3_chain_S5K1N6": dict(algorithm="eagle3", num_steps=5, topk=1,
+                                     num_draft_tokens=6),
+         "eagle3_tree_S4K2N8": dict(algorithm="eagle3", num_steps=4, topk=2,
+                                    num_draft_tokens=8),
          "adaptive": dict(adaptive=True)}
 
 
@@ -54,8 +58,8 @@ def make_engine(args, mode: str, max_batch: int) -> Engine:
 
 def _make_engine(args, mode: str, max_batch: int) -> Engine:
     spec = MODES[mode]
-    sc = SpecConfig() if spec is None else SpecConfig(algorithm="eagle", draft_model=args.draft,
-                                                      **spec)
+    sc = SpecConfig() if spec is None else SpecConfig(
+        **{"algorithm": "eagle", "draft_model": args.draft, **spec})
     return Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                max_running_requests=max_batch,
                                max_total_tokens=max_batch * (args.new_tokens + 64) + 4096,
@@ -84,7 +88,8 @@ def timed_generate(engine: Engine, ps: list[list[int]], n: int) -> tuple[float, 
 
 def step_profile(engine: Engine, ps: list[list[int]], steps: int = 5) -> dict:
     """Kernels and device time per engine step while every request decodes."""
-    params = SamplingParams(max_new_tokens=160, ignore_eos=True)  # ~13 steps, 8 tokens each
+    # enough for 3 + 2 * steps engine steps of the longest decode chain (32 tokens each)
+    params = SamplingParams(max_new_tokens=512, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in ps]
     while any(len(r.output_ids) < 3 for r in reqs):
         engine.step()
