@@ -10,8 +10,13 @@ with `kv_start = kv_indptr[:B]`), and K/V rows are `k_buffer[slot]`, `v_buffer[s
   prefix_len[b] + t; it sees pos < prefix_len[b], and window key j (pos = prefix_len[b] + j,
   j < extend_len[b]) if j <= t (mask None) or mask[b, t, j] | (j == t) (tree mask).
 
-CUDA tensors run the Triton kernels (`attention_triton`: a bad slot is masked and reported at
-the step's sync); CPU tensors the PyTorch references below (`KVIndexError` before computing).
+Every table position read, `kv_start[b] + pos`, must lie in `[0, table.numel())` too (a corrupt
+kv_start or kv_len would read past req_to_token or past a draft kv_indices buffer): the error
+names the op as "<op> table position".
+
+CUDA tensors run the Triton kernels (`attention_triton`: a bad slot or position is never read
+and is reported at the step's sync); CPU tensors the PyTorch references below (`KVIndexError`
+before computing).
 Host checks read shapes and dtypes only, never device values.
 """
 
@@ -97,11 +102,29 @@ def _check_out(op, out, shape, dtype):
                          f"{tuple(shape)}")
 
 
-def _gather(table, start, n, op):
-    """Slots table[start : start + n] as int64 (n,); the table positions must exist."""
-    if start < 0 or start + n > table.numel():
-        raise ValueError(f"{op}: table positions [{start}, {start + n}) outside the table of "
-                         f"{table.numel()} entries")
+def _check_positions(segments, n_table, op, layer):
+    """KVIndexError ("<op> table position") unless every table position of every segment
+    (start, n) lies in [0, n_table): a corrupt kv_start / kv_len (a request row past
+    req_to_token, a segment past the draft's kv_indices). Names the first position past the
+    end (else the negative one nearest 0) and counts them all, as the Triton kernels do."""
+    count, past, neg = 0, None, None
+    for start, n in segments:
+        if n <= 0:
+            continue
+        n_neg = max(min(start + n, 0) - start, 0)
+        n_past = max(start + n - max(start, n_table), 0)
+        count += n_neg + n_past
+        if n_past:
+            past = max(start, n_table) if past is None else min(past, max(start, n_table))
+        if n_neg:
+            neg = min(start + n - 1, -1) if neg is None else max(neg, min(start + n - 1, -1))
+    if count:
+        raise KVIndexError(f"{op} table position", past if past is not None else neg, n_table,
+                           count, n_table, layer=layer)
+
+
+def _gather(table, start, n):
+    """Slots table[start : start + n] as int64 (n,) (positions checked by _check_positions)."""
     return table[start:start + n].to(torch.int64)
 
 
@@ -131,7 +154,8 @@ def decode_attention_torch(q, k_buffer, v_buffer, table, kv_start, kv_len, scale
     """PyTorch reference and CPU path: all slots checked first, then one request at a time."""
     B = q.shape[0]
     starts, lens = kv_start.tolist(), kv_len.tolist()
-    slots = [_gather(table, starts[b], lens[b], "decode_attention") for b in range(B)]
+    _check_positions(zip(starts, lens), table.numel(), "decode_attention", layer)
+    slots = [_gather(table, starts[b], max(lens[b], 0)) for b in range(B)]
     _check_all(slots, table, size_limit, "decode_attention", layer)
     out = torch.zeros_like(q)
     for b in range(B):
@@ -149,7 +173,12 @@ def extend_attention_torch(q, k_buffer, v_buffer, table, kv_start, prefix_len, e
     they were (zeros when out is None)."""
     B = kv_start.shape[0]
     starts, pre, ext, q0 = (x.tolist() for x in (kv_start, prefix_len, extend_len, q_start))
-    slots = [_gather(table, starts[b], pre[b] + ext[b], "extend_attention") for b in range(B)]
+    for b in range(B):
+        if pre[b] < 0:
+            raise ValueError(f"extend_attention: prefix_len {pre[b]} of request {b} < 0")
+    _check_positions(zip(starts, [p + max(e, 0) for p, e in zip(pre, ext)]), table.numel(),
+                     "extend_attention", layer)
+    slots = [_gather(table, starts[b], pre[b] + max(ext[b], 0)) for b in range(B)]
     _check_all(slots, table, size_limit, "extend_attention", layer)
     res = torch.zeros_like(q) if out is None else out.clone()
     for b in range(B):

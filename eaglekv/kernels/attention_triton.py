@@ -4,11 +4,16 @@ argument checks in `attention.py`.
 Keys of sequence b are the slots `table[kv_start[b] + j]`, j < kv_len[b] (decode) or
 j < prefix_len[b] + extend_len[b] (extend). Every slot is checked against `[0, size_limit)`
 before it becomes an address: a bad one reads nothing (its key is masked out) and is recorded
-in the device error buffer of `eaglekv.kernels.guard`, keyed `call_id * 2**32 + flat table
-position`, by exactly one program (each key counts once). A table position outside
-`[0, table.numel())` is never read either (the key is masked; kv_start/kv_len are the
-caller's metadata, not table contents, so it is not reported), nor an extend query row
-outside `[0, T)` of q / out.
+in the device error buffer of `eaglekv.kernels.guard`, keyed `(call_id + 1) * 2**32 + flat
+table position`, by exactly one program (each key counts once). A table position outside
+`[0, table.numel())` (a corrupt kv_start / kv_len / prefix_len / extend_len: a request row past
+req_to_token, a segment past the draft's kv_indices) is never read: the loops run over the
+positions inside the table only (a huge kv_len costs nothing), and the reporting program counts
+the positions outside arithmetically and records them under the call's own id `call_id`, keyed
+by `_outside` (decoded on the host by `TablePositions`), so the step's sync raises KVIndexError
+naming "<op> table position", the position and the table size. An extend query row outside
+`[0, T)` of q / out is never read or written (not reported: q_start is host-built, and those
+rows stay unwritten).
 
 Graph-ready: no host sync (outside a guard step `guard.after_launch()` checks at once, as in
 `store_cache`), no device value read on the host; grids and scratch shapes come from host
@@ -28,7 +33,8 @@ from eaglekv.kernels.guard import kv_guard
 _BIG = tl.constexpr(2**62)      # larger than any flat table position: neutral for min
 _NEG = tl.constexpr(-1.0e30)    # running max before any visible key (finite: no inf - inf)
 _LOG2E = 1.4426950408889634
-_MAX_CALL_ID = 2**31 - 1        # call_id is passed as i32
+_HALF = tl.constexpr(2**31)     # table-position keys: [0, HALF) past the end, [HALF, 2**32) < 0
+_MAX_CALL_ID = 2**31 - 2        # call_id and call_id + 1 are passed as i32
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -39,6 +45,36 @@ def _record(err_ptr, nbad, first, key_base):
     if n > 0:
         tl.atomic_add(err_ptr, n, sem="relaxed")
         tl.atomic_min(err_ptr + 1, key_base + tl.min(first, axis=0), sem="relaxed")
+
+
+@triton.jit
+def _record_one(err_ptr, n, key):
+    """err[0] += n; err[1] = min(err[1], key) (only if n > 0): scalars."""
+    if n > 0:
+        tl.atomic_add(err_ptr, n, sem="relaxed")
+        tl.atomic_min(err_ptr + 1, key, sem="relaxed")
+
+
+@triton.jit
+def _outside(base, lo, hi, n_table):
+    """Table positions `base + j`, lo <= j < hi, outside [0, n_table): (count, 32-bit key).
+    The key is `pos - n_table` of the first position past the end, else HALF + (-pos - 1) of
+    the negative position nearest 0, each clamped below HALF (so min() over programs prefers a
+    read past the end; `TablePositions` decodes it); _BIG when none is outside."""
+    n_neg = tl.maximum(tl.minimum(hi, -base) - lo, 0)                 # j < -base: pos < 0
+    n_past = tl.maximum(hi - tl.maximum(lo, n_table - base), 0)       # pos >= n_table
+    k_past = tl.minimum(tl.maximum(base + lo - n_table, 0), _HALF - 1)
+    k_neg = _HALF + tl.minimum(-tl.minimum(base + hi - 1, -1) - 1, _HALF - 1)
+    key = tl.where(n_past > 0, k_past, tl.where(n_neg > 0, k_neg, _BIG))
+    return n_neg + n_past, key
+
+
+@triton.jit
+def _in_table(base, lo, hi, n_table):
+    """The j range [jlo, jhi) of [lo, hi) whose positions base + j lie in [0, n_table)."""
+    jlo = tl.maximum(lo, -base)
+    jhi = tl.maximum(tl.minimum(hi, n_table - base), jlo)
+    return jlo, jhi
 
 
 @triton.jit
@@ -88,7 +124,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
     keys [lo, hi), lo = split * chunk, hi = min(lo + chunk, kv_len), chunk = cdiv(kv_len,
     SPLITS). SPLITS == 1 writes the output; else the partial output o = acc / l and
     lse2 = m + log2(l) (-inf for an empty split) go to mid_o (B, H, SPLITS, DP) and
-    mid_lse (B, H, SPLITS). Bad slots are reported by kv head 0 (each key is in one split)."""
+    mid_lse (B, H, SPLITS). Bad slots and positions outside the table are reported by kv head 0
+    (each key is in one split)."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2).to(tl.int64)
@@ -111,15 +148,20 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
     nbad = tl.zeros([BLOCK_N], tl.int32)
     first = tl.full([BLOCK_N], _BIG, tl.int64)
     every = tl.full([1, BLOCK_N], 1, tl.int1)                          # no causal mask
-    for n0 in range(lo, hi, BLOCK_N):
+    jlo, jhi = _in_table(base, lo, hi, n_table)                        # the rest: not read
+    for n0 in range(jlo, jhi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)                    # (BLOCK_N,) key index
-        slot, ok, bad, tpos = _load_slots(table_ptr, base, j, j < hi, n_table, size_limit,
+        slot, ok, bad, tpos = _load_slots(table_ptr, base, j, j < jhi, n_table, size_limit,
                                           report)
         nbad += bad.to(tl.int32)
         first = tl.minimum(first, tl.where(bad, tpos, _BIG))
         m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, ok, every, kvh, k_s0, k_s1, v_s0, v_s1,
                                 d, dmask, m_i, l_i, acc, qk_scale, F32DOT)
-    _record(err_ptr, nbad, first, call_id.to(tl.int64) << 32)
+    cid = call_id.to(tl.int64)
+    _record(err_ptr, nbad, first, (cid + 1) << 32)
+    if kvh == 0:                                                       # each split its keys
+        n_out, key = _outside(base, lo, hi, n_table)
+        _record_one(err_ptr, n_out, (cid << 32) + key)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                     # empty: acc = 0 -> 0
     if SPLITS == 1:
         tl.store(out_ptr + b * o_s0 + h[:, None] * o_s1 + d[None, :] * o_s2,
@@ -165,8 +207,9 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
     """Program (b, query block, kv head): rows r = (t, g) of BLOCK_M queries x GP heads.
     Query t sits at position prefix + t and sees keys pos < prefix, and window keys
     j = pos - prefix (j < extend_len) with j <= t (causal) or mask[b, t, j] | (j == t).
-    Bad slots are reported by kv head 0 of the request's last query block, which reads
-    every key pos < prefix + extend_len."""
+    Bad slots and positions outside the table are reported by kv head 0 of the request's last
+    query block in the grid, which reads every key any of its blocks reads (all of
+    pos < prefix + extend_len, unless a corrupt extend_len passes the grid's max_extend)."""
     b = tl.program_id(0).to(tl.int64)
     mb = tl.program_id(1).to(tl.int64)
     kvh = tl.program_id(2).to(tl.int64)
@@ -189,15 +232,16 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
     m_i = tl.full([BLOCK_M * GP], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M * GP], tl.float32)
     acc = tl.zeros([BLOCK_M * GP, DP], tl.float32)
-    is_rep = (kvh == 0) & (mb == (ext - 1) // BLOCK_M)
+    is_rep = (kvh == 0) & (mb == tl.minimum((ext - 1) // BLOCK_M, tl.num_programs(1) - 1))
     report = (tl.zeros([BLOCK_N], tl.int32) + is_rep.to(tl.int32)) != 0
     nbad = tl.zeros([BLOCK_N], tl.int32)
     first = tl.full([BLOCK_N], _BIG, tl.int64)
     every = tl.full([1, BLOCK_N], 1, tl.int1)
-    # 1. the cached prefix: visible to every query
-    for n0 in range(0, prefix, BLOCK_N):
+    # 1. the cached prefix: visible to every query (positions outside the table: not read)
+    plo, phi = _in_table(base, 0, prefix, n_table)
+    for n0 in range(plo, phi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        slot, ok, bad, tpos = _load_slots(table_ptr, base, j, j < prefix, n_table, size_limit,
+        slot, ok, bad, tpos = _load_slots(table_ptr, base, j, j < phi, n_table, size_limit,
                                           report)
         nbad += bad.to(tl.int32)
         first = tl.minimum(first, tl.where(bad, tpos, _BIG))
@@ -209,9 +253,10 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
         hi = ext
     else:
         hi = tl.minimum(ext, (mb + 1) * BLOCK_M)
-    for n0 in range(0, hi, BLOCK_N):
+    wlo, whi = _in_table(base + prefix, 0, hi, n_table)
+    for n0 in range(wlo, whi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)                    # (N,) window index
-        live = j < hi
+        live = j < whi
         slot, ok, bad, tpos = _load_slots(table_ptr, base + prefix, j, live, n_table,
                                           size_limit, report)
         nbad += bad.to(tl.int32)
@@ -225,7 +270,12 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
             visible = j[None, :] <= t[:, None]
         m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, ok, visible, kvh, k_s0, k_s1, v_s0,
                                 v_s1, d, dmask, m_i, l_i, acc, qk_scale, F32DOT)
-    _record(err_ptr, nbad, first, call_id.to(tl.int64) << 32)
+    cid = call_id.to(tl.int64)
+    _record(err_ptr, nbad, first, (cid + 1) << 32)
+    if is_rep:
+        n_pre, k_pre = _outside(base, 0, prefix, n_table)
+        n_win, k_win = _outside(base + prefix, 0, hi, n_table)
+        _record_one(err_ptr, n_pre + n_win, (cid << 32) + tl.minimum(k_pre, k_win))
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q0 + t)[:, None] * o_s0 + h[:, None] * o_s1 + d[None, :] * o_s2,
              o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
@@ -237,9 +287,32 @@ def _f32_dot(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and _INTERPRET)
 
 
+class TablePositions:
+    """The `indices` of a guard call of table positions: the kernels key a position outside
+    the table by `_outside`'s 32-bit code, and the guard reads the bad value back as
+    `indices.reshape(-1)[code]` (this object is its own flat view), on the error path only."""
+
+    def __init__(self, n_table: int):
+        self.n_table = n_table
+
+    def reshape(self, *shape) -> "TablePositions":
+        return self
+
+    def numel(self) -> int:
+        return self.n_table
+
+    def __getitem__(self, code: int) -> int:
+        code = int(code)
+        return self.n_table + code if code < 2**31 else -(code - 2**31) - 1
+
+
 def _register(op: str, size_limit: int, table: torch.Tensor, layer: int | None):
+    """Two guard calls a launch: `call_id` for table positions outside the table (limit
+    table.numel()), `call_id + 1` for slots outside [0, size_limit) (the table's entries)."""
     guard = kv_guard(table.device)
-    call_id = guard.register(op, size_limit, table, layer, dense=False)
+    call_id = guard.register(f"{op} table position", table.numel(),
+                             TablePositions(table.numel()), layer, dense=False)
+    guard.register(op, size_limit, table, layer, dense=False)
     if call_id > _MAX_CALL_ID:
         raise RuntimeError(f"{op}: {call_id} guarded calls in one step without a check")
     return guard, call_id

@@ -431,3 +431,147 @@ def test_cuda_graph_capture_and_replay():
         ref = decode_attention_torch(dq.cpu(), kb, vb, table, start, torch.tensor(lens),
                                      0.125, size_limit=rows)
         close(out, ref, torch.bfloat16)
+
+
+def _outside_msg(op, first, n_table, count=None, layer=None):
+    where = f"layer {layer}, " if layer is not None else ""
+    n = rf"{count} of {n_table}" if count is not None else rf"\d+ of {n_table}"
+    return (rf"slot {first} out of range \[0, {n_table}\) in {op} table position "
+            rf"\({where}{n} indices bad")
+
+
+def _raises_in_step(call, match):
+    """`call` inside a guard step: no error until raise_if_error, which names `match`."""
+    guard = kv_guard(DEV)
+    with guard.step():
+        out = call()
+    with pytest.raises(KVIndexError, match=match):
+        guard.raise_if_error()
+    return out
+
+
+# request 1's metadata corrupted: (kv_start, kv_len) of a paged table of n entries
+# (its row at start1) -> (expected first position, count)
+DECODE_OUTSIDE = {
+    "start_past_end": (lambda n, s1: (n - 5, 70), lambda n, s1: (n, 65)),
+    "row_past_table": (lambda n, s1: (n + 3 * 80, 70), lambda n, s1: (n + 240, 70)),
+    "start_negative": (lambda n, s1: (-3, 70), lambda n, s1: (-1, 3)),
+    "negative_only": (lambda n, s1: (-20, 9), lambda n, s1: (-12, 9)),   # the one nearest 0
+    "len_huge": (lambda n, s1: (s1, 2**31 - 1), lambda n, s1: (n, s1 + 2**31 - 1 - n)),
+}
+
+
+@pytest.mark.parametrize("case", list(DECODE_OUTSIDE))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_table_position_outside(case, splits):
+    """A corrupt kv_start / kv_len that reads past the request table (or before it): no
+    position outside the table is read, the step's sync raises KVIndexError naming
+    "decode_attention table position", the first such position and the count; the other
+    sequences equal the reference; outside a step it raises at once; the torch path raises
+    the same before computing."""
+    g = torch.Generator().manual_seed(21)
+    lens = [9, 70, 6]
+    table, start, rows = paged_table(lens, 1, g)
+    n = table.numel()
+    kb, vb = kv_buffers(rows, 3, 64, torch.float32, g)
+    q = torch.randn(3, 9, 64, generator=g)
+    ref = decode_attention_torch(q, kb, vb, table, start, torch.tensor(lens), 0.125,
+                                 size_limit=rows)
+    s1, l1 = DECODE_OUTSIDE[case][0](n, int(start[1]))
+    first, count = DECODE_OUTSIDE[case][1](n, int(start[1]))
+    bad_start, bad_len = start.clone(), torch.tensor(lens)
+    bad_start[1], bad_len[1] = s1, l1
+    msg = _outside_msg("decode_attention", first, n, count, layer=2)
+    dq, dk, dv, dt, ds, dl = to_dev(q, kb, vb, table, bad_start, bad_len)
+    out = _raises_in_step(lambda: decode_attention(dq, dk, dv, dt, ds, dl, 0.125,
+                                                   size_limit=rows, layer=2, max_kv_len=70,
+                                                   num_splits=splits), msg)
+    close(out[[0, 2]], ref[[0, 2]], torch.float32)
+    assert torch.isfinite(out[1]).all()
+    with pytest.raises(KVIndexError, match=msg):                       # outside a step
+        decode_attention(dq, dk, dv, dt, ds, dl, 0.125, size_limit=rows, layer=2,
+                         max_kv_len=70, num_splits=splits)
+    with pytest.MonkeyPatch.context() as mp:                           # the torch path
+        mp.setenv("EAGLEKV_TRITON_ON_CPU", "0")
+        res = torch.full_like(q, 5.0)
+        with pytest.raises(KVIndexError, match=msg) as e:
+            decode_attention(q, kb, vb, table, bad_start, bad_len, 0.125, size_limit=rows,
+                             layer=2, out=res)
+        assert torch.equal(res, torch.full_like(q, 5.0))
+        assert e.value.first_bad == first and e.value.op == "decode_attention table position"
+
+
+def test_decode_kv_indices_segment_past_buffer():
+    """The draft's flat kv_indices buffer: the last segment's kv_indptr moved so that it runs
+    4 entries past the buffer; also an error with a bad slot in another request: the table
+    position (the earlier guard call) is the one named, the count is the step's."""
+    g = torch.Generator().manual_seed(22)
+    lens = [5, 7, 6]
+    table, start, rows = indptr_table(lens, g)
+    n = table.numel()
+    kb, vb = kv_buffers(rows, 3, 64, torch.float32, g)
+    q = torch.randn(3, 9, 64, generator=g)
+    bad = start.clone()
+    bad[2] = n - 2
+    dq, dk, dv, dt, ds, dl = to_dev(q, kb, vb, table, bad, torch.tensor(lens))
+    msg = _outside_msg("decode_attention", n, n, 4)
+    _raises_in_step(lambda: decode_attention(dq, dk, dv, dt, ds, dl, 0.125, size_limit=rows,
+                                             num_splits=2), msg)
+    dt2 = dt.clone()
+    dt2[int(start[0]) + 1] = rows                                      # and a bad slot
+    _raises_in_step(lambda: decode_attention(dq, dk, dv, dt2, ds, dl, 0.125, size_limit=rows,
+                                             num_splits=2), _outside_msg("decode_attention",
+                                                                         n, n, 5))   # 4 + 1
+
+
+@pytest.mark.parametrize("mask", [False, True])
+@pytest.mark.parametrize("case", ["prefix_past_end", "start_negative", "extend_past_grid"])
+def test_extend_table_position_outside(case, mask):
+    """Extend (verify / prefill) with request 1's kv_start, prefix_len or extend_len corrupt:
+    prefix and window reads past the table are not made and are reported once, naming
+    "extend_attention table position" and the first such position; an extend_len past the
+    grid's max_extend (a corrupt one) is reported by the last query block in the grid. The
+    other requests equal the reference; the torch path raises before computing."""
+    g = torch.Generator().manual_seed(23)
+    pre, ext = [5, 25, 2], [4, 45, 4]
+    table, start, rows = paged_table([p + e for p, e in zip(pre, ext)], 1, g)
+    n = table.numel()
+    kb, vb = kv_buffers(rows, 3, 64, torch.float32, g)
+    q = torch.randn(53, 9, 64, generator=g)
+    m = torch.ones(3, 45, 45, dtype=torch.bool).tril() if mask else None
+    q0 = torch.tensor([0, 4, 49])
+    ref = extend_attention_torch(q, kb, vb, table, start, torch.tensor(pre), torch.tensor(ext),
+                                 q0, 0.125, size_limit=rows, mask=m)
+    bad_start, bad_ext = start.clone(), torch.tensor(ext)
+    if case == "prefix_past_end":          # prefix [n-10, n+15), window [n+15, n+60)
+        bad_start[1] = n - 10
+        first, count, tcount = n, 60, 60
+    elif case == "start_negative":         # prefix [-7, 18), window in the table
+        bad_start[1] = -7
+        first, count, tcount = -1, 7, 7
+    else:                                  # the window runs 1000 past the table
+        bad_start[1], bad_ext[1] = n - 30, 1000
+        # causal: block_m 32 (4 query rows per program x 3 kv heads), 2 blocks in the grid,
+        # the last reads the keys pos < 25 + 64; a tree mask reads the whole window
+        tcount = 25 + 1000 - 30
+        first, count = n, tcount if mask else 25 + 64 - 30
+    args = (bad_start, torch.tensor(pre), bad_ext, q0)
+    out = _raises_in_step(
+        lambda: extend_attention(*to_dev(q, kb, vb, table, *args), 0.125, size_limit=rows,
+                                 mask=None if m is None else m.to(DEV), max_extend=45),
+        _outside_msg("extend_attention", first, n, count))
+    close(out[:4], ref[:4], torch.float32)
+    close(out[49:], ref[49:], torch.float32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EAGLEKV_TRITON_ON_CPU", "0")
+        with pytest.raises(KVIndexError, match=_outside_msg("extend_attention", first, n,
+                                                            tcount)):
+            extend_attention(q, kb, vb, table, *args, 0.125, size_limit=rows, mask=m)
+
+
+def test_outside_key_round_trip():
+    """TablePositions decodes the kernels' 32-bit key of a position outside the table."""
+    from eaglekv.kernels.attention_triton import TablePositions
+    tp = TablePositions(1000)
+    assert tp.reshape(-1) is tp and tp.numel() == 1000
+    assert [tp[0], tp[7], tp[2**31], tp[2**31 + 4]] == [1000, 1007, -1, -5]
