@@ -96,7 +96,8 @@ class Engine:
                                                     or cfg.max_running_requests,
                                                     cfg.max_running_requests)
                               if cfg.cuda_graphs else 0)
-        self.runner = (build_runner(res, spec, draft_ckpt, drafter) if spec.enabled
+        self.runner = (build_runner(res, spec, draft_ckpt, drafter, cfg.decode_steps)
+                       if spec.enabled
                        else ModelRunner(res, self._decode_graphs(res), cfg.decode_steps))
         self.scheduler = Scheduler(cfg, self.allocator, self.req_to_token, self.runner,
                                    self.device)

@@ -5,14 +5,24 @@ in the same step.
 
     expected tokens of request b under shape s = 1 + corr_s * sum_{i <= S_s} rate_b[i]
     step value = tokens of the step / (cost of its spec part + cost of its plain part)
+    all-plain value = B / seconds per token of a plain step (of a chain where it can run one)
 
 `rate_b[i]` is request b's exponentially averaged acceptance at draft position i (vLLM's and
 llama.cpp's definition: accepted at position i / drafts at position i, so rate[1] >= rate[2]
->= ...); `corr_s` calibrates the chain sum to what shape s really accepts (a tree accepts more
-than the chain of its depth). Costs are seconds per step measured on this machine for every
-(choice, batch bucket) that ran: each cell is explored the first time it is needed, then kept
-as an exponential average and cached on disk per device, model, dtype and draft
-(`$EAGLEKV_CACHE/costs/`), so a later engine starts informed.
+>= ...). For a chain (topk 1) the sum is exact, E[accepted] = sum_i P(accepted >= i), so
+`corr_s` = 1; for a tree it is learnt, calibrating the sum to what the tree really accepts
+(more than the chain of its depth). Costs are seconds per step measured on this machine for
+every (choice, batch bucket) that ran; `chain` cells hold seconds per token of a plain step
+that decoded a chain of k tokens (`EngineConfig.num_scheduler_steps`: greedy batches under
+decode graphs), i.e. the step's seconds / k. Each cell is explored the first time it is
+needed, then kept as an exponential average and cached on disk per device, model, dtype and
+draft (`$EAGLEKV_CACHE/costs/`), so a later engine starts informed.
+
+Every request starts optimistic about its own acceptance: each draft position adds
+`optimism / sqrt(1 + drafts of this request observed there)` to its expected gain, so a new
+request tries the deeper shapes until its own drafts have measured them, whatever the
+engine-wide estimate it starts from says (that estimate can be far off: in issue 15's H200
+run it put S5's accept length at 1.55 where S5 accepts 4.7, and batch 1 stayed plain).
 
 Lossless whatever it chooses: the choice of step t is a function of the steps before t only
 (their measured times and their acceptance counts), never of step t's random draws. Given
@@ -20,7 +30,9 @@ that history, plain sampling emits exactly the target distribution, and so does 
 sampling with any draft shape (the rejection rule is exact for any proposal). So every
 step's tokens, conditioned on the past, follow the target distribution, and by induction the
 whole output does; the choice only changes how many tokens a step produces and how fast.
-Greedy outputs are the target's argmax chain whatever the step chose.
+Greedy outputs are the target's argmax chain whatever the step chose (a plain chain is k
+greedy steps, each the same replay as a single one). The optimism that makes a request try
+a shape is a function of its past drafts too.
 """
 
 from __future__ import annotations
@@ -35,8 +47,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-PLAIN = "plain"
-COST_VERSION = 1
+PLAIN = "plain"          # a plain step of one token per request: its seconds
+CHAIN = "chain"          # a plain step that decoded a chain of k tokens: its seconds / k
+COST_VERSION = 2         # 2: chain cells; the acceptance summary without chain corrections
 
 
 @dataclass(frozen=True)
@@ -126,17 +139,19 @@ class CostTable:
 
     def get(self, label: str, n: int) -> float | None:
         """The cell's seconds; an unknown cell is estimated from the same choice at another
-        bucket, scaled by plain decoding's ratio between the two (None: no way to say)."""
+        bucket, scaled by plain decoding's ratio between the two (None: no way to say; a
+        plain cell is always measured, which costs nothing)."""
         if self.known(label, n):
             return self.cells[self.key(label, n)][0]
-        if label == PLAIN or not self.known(PLAIN, n):
+        ref = next((r for r in (PLAIN, CHAIN) if self.known(r, n)), None)
+        if label in (PLAIN, CHAIN) or ref is None:
             return None
-        here = self.cells[self.key(PLAIN, n)][0]
+        here = self.cells[self.key(ref, n)][0]
         best = None
         for k, (sec, cnt) in self.cells.items():
             lab, _, b = k.rpartition("@")
-            if lab == label and cnt >= self.seed and self.known(PLAIN, int(b)):
-                est = sec * here / self.cells[self.key(PLAIN, int(b))][0]
+            if lab == label and cnt >= self.seed and self.known(ref, int(b)):
+                est = sec * here / self.cells[self.key(ref, int(b))][0]
                 if best is None or abs(int(b) - bucket(n)) < best[0]:
                     best = (abs(int(b) - bucket(n)), est)
         return None if best is None else best[1]
@@ -185,35 +200,40 @@ class AdaptivePolicy:
     engine-wide rates), so a batch-64 step costs a few vector ops, not 64 Python loops.
 
     `alpha`: a request's rate average; `alpha_engine`: the engine-wide one new requests start
-    from; `alpha_prior`: the engine's slow average. A request that decodes plainly drifts
-    (`beta` of the way a step) back to its own slow average (`alpha_slow`, started at the
-    larger of the engine's two), so a request that was good and collapsed is tried again, and
-    one that is steadily poor is not. A request switched off waits 2, 4, 8 ... up to
-    `max_wait` plain steps (doubling each time it is switched off again; each run of two
-    speculative steps in a row halves the backoff again), then is tried if its drifted rates
-    say so: a collapsed request costs its batch a probe now and then, ever more rarely. `optimism`: a shape's expected gain gets, per draft position,
-    `optimism / sqrt(1 + n)` more while n drafts at that depth have been observed, so a few
-    unlucky first drafts cannot switch speculation off for good, and a deeper shape is
-    measured before it is judged."""
+    from; `alpha_prior`: the engine's slow average (a step's requests count as at most
+    `step_weight` observations there: they share one moment of their generations, and one
+    batch-64 step at the start of 64 stories must not overwrite what the engine learnt). A
+    request that decodes plainly drifts (`beta` of the way a token) back to its own slow
+    average (`alpha_slow`, started at the larger of the engine's two), so a request that was
+    good and collapsed is tried again, and one that is steadily poor is not. A request switched
+    off waits 2, 4, 8 ... up to `max_wait` plainly decoded tokens (doubling each time it is
+    switched off again; each run of two speculative steps in a row halves the backoff again),
+    then is tried if its drifted rates say so: a collapsed request costs its batch a probe now
+    and then, ever more rarely. `optimism`: a request's expected gain under a shape gets, per
+    draft position, `optimism / sqrt(1 + n)` more while n of its own drafts at that depth
+    have been observed, so a few unlucky first drafts cannot switch speculation off for good,
+    and a deeper shape is measured on each request before it is judged."""
 
     def __init__(self, shapes: list[Shape], costs: CostTable, prior: float = 0.7,
                  alpha: float = 0.3, alpha_engine: float = 0.05, alpha_prior: float = 0.01,
-                 beta: float = 0.1, max_wait: int = 64, optimism: float = 0.5):
+                 beta: float = 0.1, max_wait: int = 64, optimism: float = 0.5,
+                 step_weight: int = 8):
         self.shapes = list(shapes)
         self.depth = D = max(s.S for s in shapes)
         self.costs = costs
         self.alpha, self.alpha_engine, self.alpha_prior, self.beta = (alpha, alpha_engine,
                                                                       alpha_prior, beta)
-        self.max_wait, self.optimism = max_wait, optimism
+        self.max_wait, self.optimism, self.step_weight = max_wait, optimism, step_weight
         self.alpha_slow = 0.05
         start = prior ** np.arange(1, D + 1)
         self.engine_rates = start.copy()
         self.prior = start.copy()
-        self.corr = {s: 1.0 for s in shapes}
-        self.npos = np.zeros(D)             # request-steps that drafted at each depth
+        self.corr = {s: 1.0 for s in shapes}        # learnt for trees only (module docstring)
         self.seen = 0                       # the deepest draft position observed
-        # per row: rates (rows, D), steps to wait, failed probes, speculating, owner rid
+        # per row: rates (rows, D), drafts seen, tokens to wait, failed probes, speculating,
+        # owner rid
         self.rates = np.zeros((0, D))
+        self.nobs = np.zeros((0, D))        # the request's own drafts observed at each depth
         self.slow = np.zeros((0, D))        # each request's slow average: where it drifts back
         self.wait = np.zeros(0, dtype=np.int64)
         self.probes = np.zeros(0, dtype=np.int64)
@@ -225,7 +245,7 @@ class AdaptivePolicy:
         self._curves: dict[tuple, np.ndarray] = {}
         self.refresh_every = 128
         self.next_refresh = 128
-        self.replan_every = 8          # an all-plain choice holds this many steps (batch > 1)
+        self.replan_every = 8          # an all-plain choice holds this many tokens (batch > 1)
         self._plain_key, self._plain_left = None, 0
         self._restore(costs.saved_state)
         costs.state_fn = self._summary_state
@@ -233,27 +253,26 @@ class AdaptivePolicy:
     # ---- what the last engine learnt ------------------------------------------------------------
     def _summary_state(self) -> dict:
         return {"depth": self.depth, "engine_rates": self.engine_rates.tolist(),
-                "prior": self.prior.tolist(), "npos": self.npos.tolist(), "seen": self.seen,
-                "corr": {s.label: c for s, c in self.corr.items()}}
+                "prior": self.prior.tolist(), "seen": self.seen,
+                "corr": {s.label: c for s, c in self.corr.items() if s.K > 1}}
 
-    def _restore(self, st: dict, max_weight: float = 50.0) -> None:
+    def _restore(self, st: dict) -> None:
         """Start from the acceptance the last engine on this device, model and draft saw
-        (saved beside the costs): its rates as the prior, its draft counts capped at
-        `max_weight`, so a new workload still gets some optimism. Ignored if malformed."""
+        (saved beside the costs): its rates as the prior, its trees' corrections. Each new
+        request is still optimistic until its own drafts are observed. Ignored if
+        malformed."""
         try:
             if st.get("depth") != self.depth:
                 return
             rates = np.clip(np.array(st["engine_rates"], dtype=np.float64), 0.0, 1.0)
             prior = np.clip(np.array(st["prior"], dtype=np.float64), 0.0, 1.0)
-            npos = np.minimum(np.array(st["npos"], dtype=np.float64), max_weight)
-            if rates.shape != (self.depth,) or prior.shape != rates.shape or \
-                    npos.shape != rates.shape:
+            if rates.shape != (self.depth,) or prior.shape != rates.shape:
                 return
-            self.engine_rates, self.prior, self.npos = rates, prior, npos
+            self.engine_rates, self.prior = rates, prior
             self.seen = int(min(max(int(st["seen"]), 0), self.depth))
             for s in self.shapes:
                 c = st["corr"].get(s.label)
-                if isinstance(c, (int, float)) and 0 < c <= 4:
+                if s.K > 1 and isinstance(c, (int, float)) and 0 < c <= 4:
                     self.corr[s] = float(c)
         except (KeyError, TypeError, ValueError, AttributeError):
             return
@@ -267,6 +286,7 @@ class AdaptivePolicy:
             n = int(rows.max()) + 1
             grow = n - len(self.owner)
             self.rates = np.concatenate([self.rates, np.zeros((grow, self.depth))])
+            self.nobs = np.concatenate([self.nobs, np.zeros((grow, self.depth))])
             self.slow = np.concatenate([self.slow, np.zeros((grow, self.depth))])
             self.wait = np.concatenate([self.wait, np.zeros(grow, dtype=np.int64)])
             self.probes = np.concatenate([self.probes, np.zeros(grow, dtype=np.int64)])
@@ -275,7 +295,7 @@ class AdaptivePolicy:
         fresh = self.owner[rows] != rids
         if fresh.any():
             f = rows[fresh]
-            self.rates[f] = self.engine_rates
+            self.rates[f], self.nobs[f] = self.engine_rates, 0.0
             self.slow[f] = np.maximum(self.engine_rates, self.prior)
             self.wait[f], self.probes[f], self.on[f] = 0, 0, False   # not switched off yet
             self.owner[f] = rids[fresh]
@@ -284,7 +304,8 @@ class AdaptivePolicy:
     def state(self, req):
         """A request's rates (a writable view of its row) and counters, for tests and logs."""
         row = int(self._rows([req])[0])
-        return SimpleNamespace(rates=self.rates[row], wait=int(self.wait[row]),
+        return SimpleNamespace(rates=self.rates[row], nobs=self.nobs[row],
+                               wait=int(self.wait[row]),
                                probes=int(self.probes[row]), speculating=bool(self.on[row]))
 
     def expected(self, rates: np.ndarray, shape: Shape) -> float:
@@ -306,45 +327,56 @@ class AdaptivePolicy:
             out[:, i] = out[:, i - 1] * q
         return out
 
-    def _bonus(self, shape: Shape) -> float:
-        """Optimism for what has been seen little: per draft position of the shape,
-        `optimism / sqrt(1 + drafts observed at that depth)` (a depth never drafted adds the
-        whole `optimism`, so a deeper shape gets tried and measured)."""
-        return self.optimism * float((1.0 / np.sqrt(1.0 + self.npos[:shape.S])).sum())
+    def _bonus(self, rows: np.ndarray) -> np.ndarray:
+        """(n, D) optimism for what each request has seen little of: bonus[b, i] = the sum
+        over draft positions d <= i of `optimism / sqrt(1 + its drafts observed at d)` (a
+        depth it never drafted adds the whole `optimism`, so it tries a deeper shape and
+        measures it). Under shape s a request's gain gets bonus[b, S_s - 1]."""
+        return self.optimism * (1.0 / np.sqrt(1.0 + self.nobs[rows])).cumsum(1)
 
     # ---- the choice ----------------------------------------------------------------------------
-    def choose(self, reqs) -> Choice:
+    def choose(self, reqs, chain: bool = False) -> Choice:
+        """`chain`: an all-plain step of this batch would decode a chain (greedy, decode
+        graphs, num_scheduler_steps > 1), so plain decoding is valued at the chain's seconds
+        per token; a split step's plain part is one token a request."""
         B = len(reqs)
         costs = self.costs
         self.steps += 1
-        if costs.get(PLAIN, B) is None:
+        alone = CHAIN if chain else PLAIN              # the all-plain step's cost cell
+        if costs.get(alone, B) is None:
             return self._chosen(Choice(None, [], list(range(B)), explore=True))
         for s in self.shapes:               # a shape never measured at this size: try it
             if costs.get(s.label, B) is None:
                 return self._chosen(Choice(s, list(range(B)), [], explore=True))
         rows = self._rows(reqs)
-        key = (rows.tobytes(), self.costs.epoch)
+        key = (rows.tobytes(), self.costs.epoch, chain)
         if self._plain_key == key and self._plain_left > 0:
-            self._plain_left -= 1      # an all-plain batch as before: rates only drift
+            # an all-plain batch as before: rates only drift
             return self._chosen(self._refresh(B, None) or Choice(None, [], list(range(B))))
         self._plain_key = None
         waiting = self.wait[rows] > 0
         if waiting.all():
             return self._chosen(self._refresh(B, None) or Choice(None, [], list(range(B))))
+        per_token = costs.get(alone, B)
         if B == 1:      # the latency case, in scalars (numpy's per-call cost would dominate)
-            return self._chosen(self._choose_one(self._extrapolated(self.rates[rows])[0]))
+            return self._chosen(self._choose_one(self._extrapolated(self.rates[rows])[0],
+                                                 self._bonus(rows)[0], per_token))
         # (B, D) rates made non-increasing, summed: cum[b, i] = expected accepted of depth i+1
         cum = np.minimum.accumulate(self._extrapolated(self.rates[rows]), axis=1).cumsum(1)
+        bonus = self._bonus(rows)                                              # (B, D)
         k = np.arange(B + 1)                                                   # spec part size
         plain_cost = self._cost_curve(PLAIN, B)                                # [n] for n = 0..B
-        best_v, best = B / plain_cost[B], Choice(None, [], list(range(B)))
+        best_v, best = B / per_token, Choice(None, [], list(range(B)))
         for s in self.shapes:
-            gain = np.where(waiting, -np.inf, np.minimum(self.corr[s] * cum[:, s.S - 1], s.S)
-                            + self._bonus(s))                                  # (B,)
-            order = np.argsort(-gain, kind="stable")
-            g = gain[order]
+            gain = np.where(waiting, -np.inf, np.minimum(self.corr[s] * cum[:, s.S - 1], s.S))
+            opt = bonus[:, s.S - 1]                                            # (B,)
+            order = np.argsort(-(gain + opt), kind="stable")
+            g, u = gain[order], opt[order]
             usable = int(np.isfinite(g).sum())                 # the waiting ones sort last
-            tokens = B + np.concatenate([[0.0], np.cumsum(g[:usable])])        # k = 0..usable
+            # k requests' expected gains, plus their optimism added as independent errors
+            # (sqrt of the sum of squares): k fresh requests are not k times as uncertain
+            tokens = B + np.concatenate([[0.0], np.cumsum(g[:usable])
+                                         + np.sqrt(np.cumsum(u[:usable] ** 2))])  # k = 0..usable
             cost = self._cost_curve(s.label, B)[:usable + 1] + plain_cost[B - k[:usable + 1]]
             value = tokens / cost
             value[0] = -np.inf                                 # k = 0 is plain decoding
@@ -352,20 +384,22 @@ class AdaptivePolicy:
             if usable and value[i] > best_v:
                 best_v = value[i]
                 best = Choice(s, sorted(order[:i].tolist()), sorted(order[i:].tolist()))
-        if best.shape is None:         # reuse for the next few steps of the same batch
-            self._plain_key, self._plain_left = key, self.replan_every - 1
+        if best.shape is None:         # reuse for the next few tokens of the same batch
+            self._plain_key, self._plain_left = key, self.replan_every
         return self._chosen(self._refresh(B, best) or best)
 
-    def _choose_one(self, rates: np.ndarray) -> Choice:
-        best_v, best = 1 / self._cost_curve(PLAIN, 1)[1], Choice(None, [], [0])
+    def _choose_one(self, rates: np.ndarray, bonus: np.ndarray, per_token: float) -> Choice:
+        """Batch 1: rates (D,) and bonus (D,) of the request; plain costs `per_token`."""
+        best_v, best = 1 / per_token, Choice(None, [], [0])
         run, total = float("inf"), 0.0
         sums = []
         for r in rates.tolist():          # expected accepted of each depth, rates non-increasing
             run = min(run, r)
             total += run
             sums.append(total)
+        bonus = bonus.tolist()
         for s in self.shapes:
-            v = ((1 + min(self.corr[s] * sums[s.S - 1], s.S) + self._bonus(s))
+            v = ((1 + min(self.corr[s] * sums[s.S - 1], s.S) + bonus[s.S - 1])
                  / self._cost_curve(s.label, 1)[1])
             if v > best_v:
                 best_v, best = v, Choice(s, [0], [])
@@ -373,7 +407,9 @@ class AdaptivePolicy:
 
     def _cost_curve(self, label: str, B: int) -> np.ndarray:
         """[n] seconds of a step of n requests for n = 0..B (0 at n = 0, inf if unknown),
-        recomputed when the cost table's epoch moves."""
+        recomputed when the cost table's epoch moves. A one-token plain step not measured at
+        a size yet is estimated by the chain's seconds per token there (a split step, which
+        needs it, then measures it)."""
         key = (label, B, self.costs.epoch, id(self.costs))
         hit = self._curves.get(key)
         if hit is not None:
@@ -386,6 +422,8 @@ class AdaptivePolicy:
             b = bucket(n)
             if b not in cache:
                 c = self.costs.get(label, n)
+                if c is None and label == PLAIN:
+                    c = self.costs.get(CHAIN, n)
                 cache[b] = np.inf if c is None else c
             out[n] = cache[b]
         self._curves[key] = out
@@ -411,15 +449,19 @@ class AdaptivePolicy:
         return c
 
     # ---- what happened -------------------------------------------------------------------------
-    def observe_plain(self, reqs) -> None:
-        """Requests that decoded plainly drift back toward the prior (see the class doc)."""
+    def observe_plain(self, reqs, tokens: int = 1) -> None:
+        """Requests that decoded `tokens` each plainly (a chain: k) drift back toward their
+        slow average, `beta` of the way a token, and count the tokens off their wait (see the
+        class doc)."""
         rows = self._rows(reqs)
         off = rows[self.on[rows]]             # switched off now: wait before the next try
         self.probes[off] += 1
         self.wait[off] = np.minimum(2 ** np.minimum(self.probes[off], 30), self.max_wait)
         self.on[rows] = False
-        self.wait[rows] = np.maximum(0, self.wait[rows] - 1)
-        self.rates[rows] += self.beta * (self.slow[rows] - self.rates[rows])
+        self.wait[rows] = np.maximum(0, self.wait[rows] - tokens)
+        drift = 1 - (1 - self.beta) ** tokens
+        self.rates[rows] += drift * (self.slow[rows] - self.rates[rows])
+        self._plain_left -= tokens
 
     def observe_spec(self, reqs, shape: Shape, accepted: list[int | None]) -> None:
         """Accepted draft tokens of each request of a speculative step (None: it failed)."""
@@ -434,25 +476,30 @@ class AdaptivePolicy:
         self.on[rows] = True
         est = np.minimum.accumulate(self.rates[rows, :S], axis=1).sum(1)       # (m,)
         ok = est > 0.05
-        if ok.any():                           # m sequential EMA steps of 0.02, in one
-            w = 1 - 0.98 ** int(ok.sum())
+        w = min(m, self.step_weight)           # a step's requests: at most step_weight
+        if shape.K > 1 and ok.any():           # observations; w sequential EMA steps, in one
             ratio = float(np.minimum(a[ok] / est[ok], 4.0).mean())
-            self.corr[shape] += w * (ratio - self.corr[shape])
+            self.corr[shape] += (1 - 0.98 ** min(int(ok.sum()), w)) * (ratio - self.corr[shape])
         x = (a[:, None] >= np.arange(1, S + 1)[None, :]).astype(np.float64)   # (m, S)
         self.rates[rows, :S] += self.alpha * (x - self.rates[rows, :S])
         self.slow[rows, :S] += self.alpha_slow * (x - self.slow[rows, :S])
+        self.nobs[rows, :S] += 1
         mean = x.mean(0)
-        self.engine_rates[:S] += (1 - (1 - self.alpha_engine) ** m) * (mean - self.engine_rates[:S])
-        self.prior[:S] += (1 - (1 - self.alpha_prior) ** m) * (mean - self.prior[:S])
-        self.npos[:S] += m
+        self.engine_rates[:S] += (1 - (1 - self.alpha_engine) ** w) * (mean - self.engine_rates[:S])
+        self.prior[:S] += (1 - (1 - self.alpha_prior) ** w) * (mean - self.prior[:S])
         self.seen = max(self.seen, S)
 
     # ---- saying why ----------------------------------------------------------------------------
+    def plain_cost(self, batch: int) -> float | None:
+        """Seconds per token of plain decoding at `batch`: of a chain where one was measured."""
+        c = self.costs.get(CHAIN, batch)
+        return self.costs.get(PLAIN, batch) if c is None else c
+
     def summary(self, batch: int = 1) -> str:
         """One sentence: what the steps were and why, at `batch` (e.g. for `make demo`)."""
         counts = ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items(),
                                                          key=lambda kv: -kv[1]))
-        plain = self.costs.get(PLAIN, batch)
+        plain = self.plain_cost(batch)
         best = None
         for s in self.shapes:
             c = self.costs.get(s.label, batch)
@@ -466,22 +513,24 @@ class AdaptivePolicy:
             _, s, ratio, e = best
             on = e > ratio
             why = (f"speculation {'pays' if on else 'off'} at batch {batch} on this machine: "
-                   f"the best shape {s.label} costs {ratio:.2f} decode steps for an expected "
+                   f"the best shape {s.label} costs {ratio:.2f} plain tokens for an expected "
                    f"accept length {e:.2f}")
         return f"adaptive steps: {counts or 'none'}; {why}"
 
     def explain(self, batch: int) -> str:
-        """One line per choice at `batch`: its cost against plain decoding, the tokens a step
-        is expected to give with the engine-wide acceptance, and tokens/s."""
-        plain = self.costs.get(PLAIN, batch)
+        """One line per choice at `batch`: its cost against plain decoding (per token, of a
+        chain where one ran), the tokens a step is expected to give with the engine-wide
+        acceptance, and tokens/s."""
+        plain = self.plain_cost(batch)
         if plain is None:
             return f"batch {batch}: plain decoding not measured yet"
-        lines = [f"batch {batch}: plain {1e3 * plain:.1f} ms/step, "
+        how = "a token in chains" if self.costs.known(CHAIN, batch) else "a step"
+        lines = [f"batch {batch}: plain {1e3 * plain:.2f} ms {how}, "
                  f"{batch / plain:.1f} tok/s"]
         for s in self.shapes:
             c = self.costs.get(s.label, batch)
             e = 1 + self.expected(self.engine_rates, s)
             lines.append(f"  {s.label}: " + ("cost unknown" if c is None else
-                         f"{1e3 * c:.1f} ms/step = {c / plain:.2f} plain steps, expected "
+                         f"{1e3 * c:.1f} ms/step = {c / plain:.2f} plain tokens, expected "
                          f"accept length {e:.2f} -> {batch * e / c:.1f} tok/s"))
         return "\n".join(lines)

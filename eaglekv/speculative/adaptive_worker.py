@@ -3,11 +3,15 @@
 It holds one EagleWorker per candidate shape (sharing the target, the drafter and its KV
 pool) and runs, per decode step, the policy's choice: the speculative step of one shape for
 the requests chosen to speculate, and a plain decode step (one token each, the target's
-features kept) for the others.
+features kept) for the others. When the whole batch decodes plainly, is greedy without
+penalties or logprobs and fits a decode graph, the plain step decodes a chain of up to
+`EngineConfig.num_scheduler_steps` tokens in one engine step (ModelRunner.run_chain: the
+graph replayed k times, one sync), as plain decoding does; the policy then costs it per token.
 
 A request that decodes plainly leaves its draft behind: its `draft_state` becomes a `Lag`
 holding the draft inputs of the positions it decoded (token p + 1; the target feature of p is
-kept by slot in the runner's feature table, written inside the decode graph). Before
+kept by slot in the runner's feature table, written inside the decode graph by every replay
+of a chain too, so a chain of k tokens just lengthens the Lag by k). Before
 its next speculative step the draft extends over them in one forward (only the last
 position's logits are computed), which writes the draft's K/V of those positions into their
 slots (shared with the target's) and gives the root again. So a request that never
@@ -25,7 +29,7 @@ import torch
 from eaglekv.core import ForwardBatch, SpecStats, StepPlan, StepResult
 from eaglekv.cuda_graph import store_features
 from eaglekv.runner import ModelRunner, guarded
-from eaglekv.speculative.adaptive import (PLAIN, AdaptivePolicy, CostTable, Shape,
+from eaglekv.speculative.adaptive import (CHAIN, PLAIN, AdaptivePolicy, CostTable, Shape,
                                           cost_cache_path)
 from eaglekv.speculative.eagle_worker import EagleWorker
 
@@ -42,9 +46,13 @@ class Lag:
 class AdaptiveWorker:
     separate_decode = True
 
-    def __init__(self, res, drafter, spec, costs: CostTable | None = None):
-        """`costs`: the cost table (tests fix one); None: this machine's, cached on disk."""
+    def __init__(self, res, drafter, spec, costs: CostTable | None = None,
+                 decode_steps: int = 1):
+        """`costs`: the cost table (tests fix one); None: this machine's, cached on disk.
+        `decode_steps` (EngineConfig.num_scheduler_steps): the longest chain an all-plain
+        step decodes (under decode graphs)."""
         self.res, self.drafter, self.spec = res, drafter, spec
+        self.decode_steps = decode_steps
         shapes = [Shape(*s) for s in spec.candidate_shapes(res.device.type)]
         self.workers = {s: EagleWorker(res, drafter, spec.fixed(s.S, s.K, s.N)) for s in shapes}
         self.first = self.workers[shapes[0]]
@@ -60,7 +68,6 @@ class AdaptiveWorker:
                                        res.max_context_len, features=drafter,
                                        feature_table=self.feature_table,
                                        req_to_token=res.req_to_token.req_to_token)
-        self.plain_runner = ModelRunner(res, self.graphs)
         if costs is None:
             costs = CostTable(cost_cache_path(self.identity()),
                               drop_first=res.device.type == "cuda")
@@ -125,14 +132,15 @@ class AdaptiveWorker:
 
     def decode(self, reqs) -> StepResult:
         B = len(reqs)
-        choice = self.policy.choose(reqs)
+        chain = self._can_chain(reqs)
+        choice = self.policy.choose(reqs, chain=chain)
         if not choice.spec:            # the whole batch decodes plainly: no merging
             t = time.perf_counter()
-            res = self._plain(reqs)
+            res, k = self._plain(reqs, chain)
             dt = time.perf_counter() - t
             self.plain_seconds += dt
-            self.policy.costs.observe(PLAIN, B, dt)
-            self.policy.observe_plain(reqs)
+            self.policy.costs.observe(CHAIN if k > 1 else PLAIN, B, dt / k)   # per token
+            self.policy.observe_plain(reqs, k)
             res.draft_tokens = [0] * B
             return res
         out = StepResult(tokens=[None] * B, logprobs=[None] * B, failed=[False] * B,
@@ -145,7 +153,7 @@ class AdaptiveWorker:
             sub = [reqs[i] for i in idx]
             if part == "plain":
                 t = time.perf_counter()
-                res = self._plain(sub)
+                res, _ = self._plain(sub)
                 dt = time.perf_counter() - t
                 self.plain_seconds += dt
                 self.policy.costs.observe(PLAIN, len(sub), dt)
@@ -170,9 +178,21 @@ class AdaptiveWorker:
         return out
 
     # ---- plain steps and catching up ---------------------------------------------------------------
-    def _plain(self, reqs) -> StepResult:
+    def _can_chain(self, reqs) -> bool:
+        """An all-plain step of `reqs` would decode a chain (ModelRunner.run_graph's rule:
+        decode graphs, every request greedy without penalties or logprobs, 2+ tokens of
+        budget left in each)."""
+        return (self.graphs is not None and self.decode_steps > 1
+                and self.graphs.bucket(len(reqs)) is not None
+                and all(r.params.greedy and not r.params.has_penalties
+                        and r.params.logprobs is None
+                        and r.params.max_new_tokens - len(r.output_ids) > 1 for r in reqs))
+
+    def _plain(self, reqs, chain: bool = False) -> tuple[StepResult, int]:
         """One token per request (the root) at position kv_len: the target's forward, its
-        sampling as in plain decoding, and each request's draft input of that position kept."""
+        sampling as in plain decoding, and each request's draft input of that position kept;
+        `chain`: up to `decode_steps` tokens per request (ModelRunner.run_chain), each one's
+        draft input kept. -> (the result, the tokens decoded per request: k)."""
         res = self.res
         n = len(reqs)
         prefix = [r.kv_len for r in reqs]
@@ -185,7 +205,7 @@ class AdaptiveWorker:
         everyone = list(range(n))
         if self.graphs is not None and self.graphs.bucket(n) is not None:
             # the replay writes req_to_token and the features itself
-            result = self.plain_runner.run_graph(plan, everyone)
+            result = self._run_graph(plan, slots, chain)
         else:
             where = torch.tensor([rows, prefix], dtype=torch.int64).to(res.device)
             res.req_to_token.req_to_token[where[0], where[1]] = slots.to(res.device,
@@ -196,19 +216,41 @@ class AdaptiveWorker:
                                     capture_layers=self.drafter.capture_layers)
             store_features(self.feature_table, batch.out_cache_loc, self.drafter.features(fwd))
             result = ModelRunner.sample(plan, everyone, fwd.logits)
+        # a chain's kv_advance counts its steps past the first (run_chain's contract)
+        more = result.kv_advance or [0] * n
+        last = result.last_slots or [-1] * n
+        k = 1 + max(more)
         result.kv_advance, result.last_slots = [0] * n, [-1] * n
         result.accepted = [None] * n
-        bad = []
+        bad = [] if result.free_slots is None else [result.free_slots]   # failed chains' tails
         for i, r in enumerate(reqs):
-            if result.failed[i]:
+            if result.failed[i]:     # fails alone after the tokens it made (a chain's)
                 bad.append(slots[i:i + 1])
                 continue
-            result.kv_advance[i], result.last_slots[i] = 1, int(slots[i])
+            result.kv_advance[i] = 1 + more[i]
+            result.last_slots[i] = last[i] if more[i] else int(slots[i])
             lag = r.draft_state if isinstance(r.draft_state, Lag) else Lag(r.kv_len)
-            lag.tokens.append(result.tokens[i][0])
+            lag.tokens.extend(result.tokens[i])      # token p + 1 of every position p decoded
             r.draft_state = lag
         result.free_slots = torch.cat(bad) if bad else None
-        return result
+        return result, k
+
+    def _run_graph(self, plan: StepPlan, slots: torch.Tensor, chain: bool) -> StepResult:
+        """ModelRunner.run_graph over the plan (a chain where it can run one). run_chain reads
+        each request's kv_len and last slot as the scheduler leaves them after planning a
+        plain decode (the step's first slot taken): so they are advanced by that slot for the
+        call and put back after it; the books change only when the scheduler commits."""
+        runner = ModelRunner(self.res, self.graphs, self.decode_steps if chain else 1)
+        if not chain:
+            return runner.run_graph(plan, list(range(len(plan.reqs))))
+        books = [(r.kv_len, r.last_slot) for r in plan.reqs]
+        for r, s in zip(plan.reqs, slots.tolist()):
+            r.kv_len, r.last_slot = r.kv_len + 1, s
+        try:
+            return runner.run_graph(plan, list(range(len(plan.reqs))))
+        finally:
+            for r, (kv, last) in zip(plan.reqs, books):
+                r.kv_len, r.last_slot = kv, last
 
     def _catch_up(self, reqs) -> None:
         """The draft over every lagging request's kept inputs, in one extend."""

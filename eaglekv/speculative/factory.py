@@ -124,14 +124,16 @@ def load_draft(spec: SpecConfig, target: ModelConfig, seed: int) -> DraftCheckpo
 
 
 def build_runner(res: RunnerResources, spec: SpecConfig, ckpt: DraftCheckpoint | None,
-                 drafter=None):
-    """The family's runner over `res`; `drafter` overrides the checkpoint's (tests)."""
+                 drafter=None, decode_steps: int = 1):
+    """The family's runner over `res`; `drafter` overrides the checkpoint's (tests).
+    `decode_steps` (EngineConfig.num_scheduler_steps): adaptive's all-plain steps decode
+    chains of up to that many tokens, as the plain runner does."""
     family = FAMILIES[spec.algorithm]
     if drafter is None:
         drafter = family.drafter(res, spec, ckpt)
     if spec.adaptive:   # plain or one of the candidate shapes, chosen each step
         from eaglekv.speculative.adaptive_worker import AdaptiveWorker
-        return AdaptiveWorker(res, drafter, spec)
+        return AdaptiveWorker(res, drafter, spec, decode_steps=decode_steps)
     return family.runner(res, drafter, spec)
 
 

@@ -1,25 +1,33 @@
 """Adaptive speculation (issue 15): the policy's arithmetic, its cost cache, the runner's plain
-steps and draft catch-up, switching off and on with a drafter whose acceptance changes, and
-the target distribution kept under adaptive choices."""
+steps (chains of them under decode graphs, checked on CPU through DecodeGraphs' static buffers
+under the Triton interpreter) and draft catch-up, switching off and on with a drafter whose
+acceptance changes, the H200's batch-1 costs, and the target distribution kept under
+adaptive choices."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 import torch
 
-from eaglekv import SamplingParams
-from eaglekv.config import SpecConfig
-from eaglekv.core import ForwardBatch
-from eaglekv.errors import ConfigError
-from eaglekv.speculative.adaptive import (PLAIN, AdaptivePolicy, Choice, CostTable, Shape,
-                                          bucket)
-from eaglekv.speculative.adaptive_worker import Lag
-from eaglekv.speculative.drafter import ScriptedDrafter
-from helpers import PROMPTS, fresh_kv, oracle, tiny_engine
-from sampling_helpers import CHI2_999, N_SAMPLES, PARAMS, PROMPT, NoisySelfDrafter, chi_square
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"   # before triton and the kernel modules are imported
+
+from eaglekv import SamplingParams  # noqa: E402
+from eaglekv.config import SpecConfig  # noqa: E402
+from eaglekv.core import ForwardBatch  # noqa: E402
+from eaglekv.errors import ConfigError  # noqa: E402
+from eaglekv.speculative.adaptive import (  # noqa: E402
+    CHAIN, PLAIN, AdaptivePolicy, Choice, CostTable, Shape, bucket)
+from eaglekv.speculative.adaptive_worker import Lag  # noqa: E402
+from eaglekv.speculative.drafter import ScriptedDrafter  # noqa: E402
+from helpers import PROMPTS, fresh_kv, oracle, tiny_engine  # noqa: E402
+from sampling_helpers import (  # noqa: E402
+    CHI2_999, N_SAMPLES, PARAMS, PROMPT, NoisySelfDrafter, chi_square)
 
 S3 = Shape(3, 1, 4)
 
@@ -92,7 +100,7 @@ def test_cost_table_cells_estimates_and_cache(tmp_path):
 # ---- the choice ----------------------------------------------------------------------------------
 def policy(costs: dict[str, float], shapes=(S3,)) -> AdaptivePolicy:
     p = AdaptivePolicy(list(shapes), CostTable.fixed(costs))
-    p.npos[:] = 10**8           # no optimism left: the tests below check the arithmetic
+    p.optimism = 0.0            # no optimism: the tests below check the arithmetic
     return p
 
 
@@ -116,7 +124,7 @@ def test_choice_follows_costs_and_acceptance():
 
 def test_unknown_costs_are_explored_first():
     p = AdaptivePolicy([S3, Shape(1, 1, 2)], CostTable())
-    p.npos[:] = 10**8
+    p.optimism = 0.0
     r = FakeReq()
     c = p.choose([r])
     assert c.explore and c.shape is None
@@ -161,15 +169,20 @@ def test_rates_collapse_then_drift_back_with_backoff():
 
 
 def test_optimism_keeps_trying_a_shape_until_it_has_seen_enough():
-    """Three unlucky first drafts do not switch a shape off for good: its gain carries a
-    bonus that shrinks as observations accumulate."""
+    """Two unlucky first drafts do not switch a shape off for good: a request's gain carries
+    a bonus that shrinks as its own observations accumulate (another request's do not
+    count)."""
     p = AdaptivePolicy([S3], CostTable.fixed({PLAIN: 1.0, S3.label: 2.2}))
     r = FakeReq()
     p.observe_spec([r], S3, [0])
     p.observe_spec([r], S3, [0])
-    p.state(r).rates[:] = 0.4                     # expected 1.2: 2.2 tokens for 2.2 steps
+    assert list(p.state(r).nobs[:3]) == [2, 2, 2]
+    p.state(r).rates[:] = 0.35                    # expected 1.05: 2.05 tokens for 2.2 steps
     assert p.choose([r]).shape == S3              # with 2 observations: still tried
-    p.npos[:] = 10**6
+    other = FakeReq()
+    p.observe_spec([other], S3, [3] * 1)
+    assert p.state(other).nobs[0] == 1 and p.state(r).nobs[0] == 2
+    p.state(r).nobs[:] = 10**6
     assert p.choose([r]).shape is None            # with a million: the estimate decides
 
 
@@ -220,7 +233,7 @@ def scripted_choices(eng, plan):
     """Replace the policy's choice by `plan(step, n) -> Choice` (the worker must run any)."""
     pol = eng.runner.policy
     count = iter(range(10**6))
-    pol.choose = lambda reqs: pol._chosen(plan(next(count), len(reqs)))
+    pol.choose = lambda reqs, chain=False: pol._chosen(plan(next(count), len(reqs)))
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -363,7 +376,7 @@ def test_a_deeper_shape_is_judged_by_the_observed_fall_off():
     r = FakeReq()
     for _ in range(30):
         p.observe_spec([r], S3, [3])
-    p.npos[:] = 10**8                                                 # no optimism
+    p.optimism = 0.0
     rates = p.state(r).rates
     assert rates[3] == pytest.approx(0.7 ** 4) and p.seen == 3       # never observed
     deep = p.expected(rates, Shape(5, 1, 6))
@@ -372,8 +385,8 @@ def test_a_deeper_shape_is_judged_by_the_observed_fall_off():
 
 
 def test_acceptance_is_saved_beside_the_costs_and_restored(tmp_path):
-    """A new engine starts from the last one's acceptance (its draft counts capped, so some
-    optimism is left); a malformed summary is ignored."""
+    """A new engine starts from the last one's acceptance (each new request still
+    optimistic until its own drafts are seen); a malformed summary is ignored."""
     path = tmp_path / "c.json"
     p = AdaptivePolicy([S3], CostTable(path))
     r = FakeReq()
@@ -383,7 +396,8 @@ def test_acceptance_is_saved_beside_the_costs_and_restored(tmp_path):
         p.costs.observe(PLAIN, 1, 0.01)             # a cell becoming known saves the file
     q = AdaptivePolicy([S3], CostTable(path))
     assert q.engine_rates[:3] == pytest.approx([1.0, 0.0, 0.0], abs=0.01)
-    assert list(q.npos[:3]) == [50.0, 50.0, 50.0] and q.seen == 3
+    assert q.seen == 3 and "S3K1N4" not in json.loads(path.read_text())["acceptance"]["corr"]
+    assert q.state(FakeReq()).nobs[0] == 0        # a chain's correction is 1 by definition
     data = json.loads(path.read_text())
     data["acceptance"]["engine_rates"] = "nonsense"
     path.write_text(json.dumps(data))
@@ -427,3 +441,182 @@ def test_a_bad_start_does_not_keep_speculation_off(tiny_dir):
             eng.runner.policy.last = None
         assert req.output_ids == ref
     assert late and sum(c != PLAIN for c in late) >= 0.8 * len(late), late
+
+
+# ---- the H200's batch-1 costs ----------------------------------------------------------------------
+# bench/results/gpu_bench_h200_issue13_final.json: adaptive's cost_table_ms at batch 1, and plain
+# decoding in chains of 8 (888 tok/s: 1.126 ms a token); fixed S5K1N6 accepted 4.72 there
+H200_B1_MS = {CHAIN: 1.126, PLAIN: 1.42, "S3K1N4": 3.26, "S5K1N6": 3.51, "S4K2N8": 4.52}
+H200_SHAPES = (Shape(3, 1, 4), Shape(5, 1, 6), Shape(4, 2, 8))
+
+
+def h200_policy() -> AdaptivePolicy:
+    t = CostTable(drop_first=False)
+    for label, ms in H200_B1_MS.items():
+        t.cells[CostTable.key(label, 1)] = [ms * 1e-3, t.seed]
+    t.frozen = True
+    return AdaptivePolicy(list(H200_SHAPES), t)
+
+
+def drafts_accepted(rng, shape: Shape, q: float) -> int:
+    """A chain accepting each next draft with probability q (the tree: a little more)."""
+    q = min(q + (0.03 if shape.K > 1 else 0.0), 1.0)
+    a = 0
+    while a < shape.S and rng.random() < q:
+        a += 1
+    return a
+
+
+@pytest.mark.parametrize("start", ["fresh", "poisoned"])
+def test_h200_batch_1_learns_s5_pays(start):
+    """Issue 15's H200 run: at batch 1 the policy stayed plain for 255 steps, estimating
+    S5's accept length at 1.55 where it accepts 4.72 (1.51x plain in chains). Here with
+    those costs and a drafter accepting each next draft with q = 0.905 (S5: 4.7 tokens a
+    step): from a fresh policy, and from one whose engine-wide estimate was dragged down
+    (rates 0.3, 0.1, ... as a restored cache may hold, then three batch-16 S5 steps whose
+    drafts were all rejected, as at the start of 16 stories), a batch-1 request explores,
+    learns its own acceptance and settles on S5, the fastest of the choices. (The previous
+    policy, given the first and the draft counts a restored cache held, stayed plain.)"""
+    rng = np.random.default_rng(0)
+    p = h200_policy()
+    if start == "poisoned":
+        p.engine_rates[:] = p.prior[:] = [0.3, 0.1, 0.05, 0.02, 0.01]
+        p.seen = 5
+        early = [FakeReq() for _ in range(16)]
+        for _ in range(3):
+            p.observe_spec(early, Shape(5, 1, 6), [0] * 16)
+        assert p.corr[Shape(5, 1, 6)] == 1.0 and p.engine_rates[0] < 0.2
+    r, made, steps = FakeReq(), 0, []
+    while made < 256:
+        c = p.choose([r], chain=True)
+        steps.append(c.label)
+        if c.shape is None:
+            p.observe_plain([r], 8)                 # a chain of 8
+            made += 8
+        else:
+            a = drafts_accepted(rng, c.shape, 0.905)
+            p.observe_spec([r], c.shape, [a])
+            made += 1 + a
+    late = steps[len(steps) // 3:]
+    assert late.count("S5K1N6") >= 0.9 * len(late), steps
+    e = 1 + p.expected(p.state(r).rates, Shape(5, 1, 6))    # an average of its last few
+    assert 3.8 < e < 5.6, e                                 # steps: about the 4.7 accepted
+    assert "S5K1N6" in p.summary(1) and "speculation pays" in p.summary(1)
+    # and with costs that make S5 lose (a verify of 6 costing 6 plain tokens), it stays plain
+    q = h200_policy()
+    q.costs.cells[CostTable.key("S5K1N6", 1)][0] = 6 * 1.126e-3
+    q.state(r).rates[:] = 0.905 ** np.arange(1, 6)
+    q.state(r).nobs[:] = 1000
+    assert q.choose([r], chain=True).shape != Shape(5, 1, 6)
+
+
+def test_plain_cost_is_per_token_of_a_chain():
+    """An all-plain step of a batch that chains is valued at the chain's seconds per token;
+    one that cannot chain (sampled, no graphs) at the one-token step's."""
+    p = AdaptivePolicy([S3], CostTable.fixed({CHAIN: 0.5, PLAIN: 1.0, S3.label: 1.8}))
+    p.optimism = 0.0
+    r = FakeReq()
+    p.state(r).rates[:] = 0.5                       # 2.5 tokens for 1.8: beats 1-token plain
+    assert p.choose([r], chain=False).shape == S3
+    assert p.choose([r], chain=True).shape is None  # but not 2 tokens a second of a chain
+    t = CostTable(drop_first=False)
+    assert t.get(CHAIN, 1) is None and t.get(S3.label, 1) is None
+    for _ in range(2):
+        t.observe(CHAIN, 1, 0.25)
+        t.observe(S3.label, 2, 0.9)
+        t.observe(CHAIN, 2, 0.3)
+    assert t.get(S3.label, 1) == pytest.approx(0.9 * 0.25 / 0.3)   # scaled by the chain's
+
+
+# ---- chains of plain steps (decode graphs' buffers, on CPU) ---------------------------------------
+def chain_adaptive_engine(tiny_dir, steps: int, **options):
+    """An adaptive engine on the Triton backend whose plain steps replay DecodeGraphs'
+    buffers (capture=False: eager, the same buffer logic), in chains of up to `steps`."""
+    from eaglekv.cuda_graph import DecodeGraphs
+    eng = adaptive_engine(tiny_dir, attention_backend="triton", num_scheduler_steps=steps,
+                          **options)
+    w = eng.runner
+    assert w.decode_steps == steps
+    w.graphs = DecodeGraphs(eng.model, eng.backend, eng.config.max_running_requests,
+                            eng.max_context_len, progress=False, capture=False,
+                            features=w.drafter, feature_table=w.feature_table,
+                            req_to_token=eng.req_to_token.req_to_token)
+    return eng
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests capture the real graphs")
+def test_chained_plain_steps_then_speculation_are_lossless(tiny_dir, reference, monkeypatch):
+    """All-plain steps decode chains of 4 (a request's Lag grows by every token of the
+    chain, its features written by each replay), then speculative and split steps catch the
+    draft up: greedy equals plain decoding token for token, a stop id inside a chain ends
+    its request there, and once caught up the draft K/V equal a fresh prefill."""
+    from eaglekv.attention import TorchAttentionBackend
+    from eaglekv.memory import KVPool
+    monkeypatch.setenv("EAGLEKV_TRITON_ON_CPU", "1")
+    eng = chain_adaptive_engine(tiny_dir, 4, max_running_requests=4)
+    w = eng.runner
+    scripted_choices(eng, lambda step, n: (
+        Choice(None, [], list(range(n))) if step % 3 != 2 else
+        Choice(S3, [0], list(range(1, n))) if step % 2 and n > 1 else
+        Choice(S3, list(range(n)), [])))
+    stop = reference[1][9]
+    first = reference[1].index(stop)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (40, 40, 23, 40)]
+    params[1] = SamplingParams(max_new_tokens=40, ignore_eos=True, stop_token_ids=[stop])
+    reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+    draft = w.drafter
+    grew, caught = [], 0
+    while eng.has_unfinished():
+        before = {id(r): len(r.draft_state.tokens) if isinstance(r.draft_state, Lag) else 0
+                  for r in reqs}
+        made = {id(r): len(r.output_ids) for r in reqs}
+        eng.step()
+        eng.check_memory()
+        for r in reqs:
+            if r.finished or not r.kv_len:
+                continue
+            if isinstance(r.draft_state, Lag):
+                st = r.draft_state
+                assert st.start + len(st.tokens) == r.kv_len
+                assert st.tokens[-1] == r.output_ids[-1]       # token p + 1 of the last p
+                grew.append(len(st.tokens) - before[id(r)])
+                continue
+            if made[id(r)] == 0:
+                continue
+            caught += 1
+            ids = r.all_ids[:r.kv_len]
+            slots = eng.req_to_token.req_to_token[r.row, :r.kv_len].to(torch.int64)
+            pool, fslots, hidden, r2t, _ = fresh_kv(eng.model, ids)
+            dpool = KVPool(len(ids) + 1, 1, *draft.model.kv_shape())
+            dbatch = ForwardBatch.build([r.all_ids[1:r.kv_len + 1]], [0], [1], fslots, "cpu")
+            dback = TorchAttentionBackend(dpool, r2t)
+            draft.model.forward(dbatch.input_ids, dbatch.positions, hidden, dback,
+                                dback.init_forward_metadata(dbatch))
+            torch.testing.assert_close(draft.kv_pool.k_buffer[0][slots],
+                                       dpool.k_buffer[0][fslots], atol=1e-4, rtol=1e-4)
+    want = [reference[0], reference[1][:first + 1], reference[2][:23], reference[3]]
+    assert [r.output_ids for r in reqs] == want
+    assert reqs[1].finish_reason == "stop"
+    assert max(grew) == 4 and caught                      # chains of 4 made the Lags
+    assert w.graphs.replays > eng.spec_stats().choices[PLAIN]     # more replays than steps
+    eng.check_memory()
+    assert eng.allocator.is_full()
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests capture the real graphs")
+def test_policy_driven_chains_cost_per_token(tiny_dir, reference, monkeypatch):
+    """Left to the policy (a fresh cost table: the chain's cell is measured, per token), a
+    drafter that is never right keeps the engine plain in chains: the output is plain
+    decoding's, in about a quarter of the steps, and the allocator is full after."""
+    monkeypatch.setenv("EAGLEKV_TRITON_ON_CPU", "1")
+    eng = chain_adaptive_engine(tiny_dir, 4, max_running_requests=4,
+                                drafter=ScriptedDrafter(oracle(PROMPTS, reference,
+                                                               lambda j: True), 256))
+    eng.runner.policy.costs = CostTable(drop_first=False)
+    outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    assert [o.token_ids for o in outs] == reference
+    costs, st = eng.runner.policy.costs, eng.spec_stats()
+    assert costs.known(CHAIN, 4) and costs.get(CHAIN, 4) > 0
+    assert st.choices[PLAIN] < 20, st.choices             # 39 tokens each after the prefill
+    eng.check_memory()
+    assert eng.allocator.is_full()
