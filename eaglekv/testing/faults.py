@@ -14,7 +14,27 @@ instance attribute, removed on exit) or, for req_to_token, by writing the table 
     draft_kv_indptr      step 0's kv_indptr entry of branch 1 (an offset into kv_indices)
                                                                         kv_indices width
     tree_retrieve        the accepted path's node at depth 1             num_draft_tokens
-    graph_padded_rows    a padded row's slot in DecodeGraphs' static buffers  pool size_limit
+    graph_padded_rows    a padded row's write slot in a graph's static buffers  pool size_limit
+
+The CUDA-graph paths. A replay skips the eager methods above, so where the engine holds
+captured forwards (`graph_objects`: DecodeGraphs, VerifyGraphs, SpecStepGraphs; real graphs
+on CUDA, or `capture=False` ones replayed eagerly on CPU) the hooks also corrupt their static
+input buffers right before the replay (`_replay`), which the graph reads:
+
+    store_cache          request 0's write slot: DecodeGraphs `dev[3, 0]` (a decode chain:
+                         its host slot block, which the chain checks on the host),
+                         VerifyGraphs `out_cache_loc[0]`, SpecStepGraphs verify slot (0, 0)
+    draft_out_cache_loc  SpecStepGraphs draft slot (0, 0, 0)
+    graph_padded_rows    a padded row's write slot in any of the three
+    tree_retrieve        inside SpecStepGraphs the accepted path is a value the graph computes:
+                         `eaglekv.speculative.graphs.greedy_accept` is wrapped (capture=False
+                         graphs call it at every replay); a captured graph holds whatever was
+                         wrapped while it was captured, so build the engine under
+                         `graph_seams(device)`, whose wrapper overwrites path[0, 1] from a
+                         device control tensor that `inject` sets before the replay and clears
+                         after it
+The draft kv_indices / kv_indptr of a step graph are computed inside the graph from the slots
+above: no static input holds them, so those two paths are not reachable there.
 
     kind      value
     negative  -1 (-2 for tree_retrieve, whose -1 means "not accepted")
@@ -67,6 +87,99 @@ def _wrap(obj, name: str, make, undo: list) -> None:
     undo.append(lambda: delattr(obj, name))
 
 
+def graph_objects(engine) -> dict:
+    """The engine runner's captured forwards by kind: "decode" (DecodeGraphs), "verify"
+    (VerifyGraphs), "spec_step" (SpecStepGraphs); only those it holds."""
+    r = engine.runner
+    found = {"decode": getattr(r, "graphs", None), "verify": getattr(r, "verify_graphs", None),
+             "spec_step": getattr(r, "step_graphs", None)}
+    return {k: g for k, g in found.items() if g is not None}
+
+
+def _write_slot(kind: str, g, b: int, which: str) -> tuple | None:
+    """(flat buffer, index) of a write slot in graph g's static inputs for bucket b: `which`
+    "real" (request 0's first), "draft" (SpecStepGraphs' draft slot (0, 0, 0)) or "padded"
+    (the first padded row's; None when the bucket has none: row 0 of req_to_token marks one)."""
+    if kind == "decode":
+        buf, width, rows, slot0, per = g.dev.view(-1), g.dev.shape[1], g.dev[2, :b], 3, 1
+        slot0 *= width
+    elif kind == "verify":
+        buf, rows, slot0, per = g.out_cache_loc, g.rows[:b], 0, g.N
+    else:
+        if which == "draft":
+            return g.inputs, g.offsets[4]
+        o = g.offsets
+        buf, rows, slot0, per = g.inputs, g.inputs[o[1]:o[1] + b], o[5], g.worker.N
+    if which == "real":
+        return buf, slot0
+    pad = (rows == 0).nonzero()
+    return None if not pad.numel() else (buf, slot0 + int(pad[0]) * per)
+
+
+def _corrupt_graphs(engine, f: Fault, which: str, value, undo: list) -> None:
+    """Before the next replay of any of the engine's graphs, write `value()` into the slot
+    `which` of its static inputs (one-shot, shared with the eager hook through f.fired). A
+    decode chain (DecodeGraphs.replay_chain) takes it in its host slot block instead: the
+    chain's device buffer holds only its last step's slots at the sync, so the chain checks
+    its whole block on the host, and that check is the guard a corrupt chain slot meets."""
+    for kind, g in graph_objects(engine).items():
+        if which == "draft" and kind != "spec_step":
+            continue
+        chain = []
+
+        def make(orig, kind=kind, g=g, chain=chain):
+            def _replay(b):
+                at = None if f.fired or chain else _write_slot(kind, g, b, which)
+                if at is not None:
+                    at[0][at[1]] = value()
+                return orig(b)
+            return _replay
+        _wrap(g, "_replay", make, undo)
+        if kind == "decode" and which == "real":
+            def make_chain(orig, chain=chain):
+                def replay_chain(ids, positions, rows, slots):
+                    if not f.fired:
+                        slots = slots.copy()
+                        slots[0, 0] = value()
+                    chain.append(1)
+                    try:
+                        return orig(ids, positions, rows, slots)
+                    finally:
+                        chain.pop()
+                return replay_chain
+            _wrap(g, "replay_chain", make_chain, undo)
+
+
+_SEAM: dict = {}     # device -> int64 [on, value]: graph_seams' control of the accepted path
+
+
+@contextmanager
+def graph_seams(device):
+    """Build engines inside this context to make the tree_retrieve fault reach a captured
+    SpecStepGraphs: `eaglekv.speculative.graphs.greedy_accept` is wrapped while the graphs are
+    captured, so each graph overwrites the accepted path's node at depth 1 of request 0 with
+    the control tensor's value whenever its `on` entry is 1 (0 between faults: the path is
+    the graph's own)."""
+    import eaglekv.speculative.graphs as sg
+    ctl = torch.zeros(2, dtype=torch.int64, device=device)
+    _SEAM[torch.device(device).type] = ctl
+    orig = sg.greedy_accept
+
+    def greedy_accept(tree, *args):
+        res = orig(tree, *args)
+        if res.path.is_cuda and torch.cuda.is_current_stream_capturing():
+            path = res.path.clone()
+            path[0, 1] = torch.where(ctl[0] == 1, ctl[1], path[0, 1])
+            res = dataclasses.replace(res, path=path)
+        return res
+    sg.greedy_accept = greedy_accept
+    try:
+        yield ctl
+    finally:
+        sg.greedy_accept = orig
+        _SEAM.pop(torch.device(device).type, None)
+
+
 @contextmanager
 def inject(engine, path: str, kind: str, target=None, foreign_slot: int = 0):
     """Corrupt one index of `path` in the next step (one-shot). `target`: the request whose
@@ -93,6 +206,8 @@ def inject(engine, path: str, kind: str, target=None, foreign_slot: int = 0):
                     return orig(batch)
                 return init_forward_metadata
             _wrap(engine.backend, "init_forward_metadata", make, undo)
+            _corrupt_graphs(engine, f, "real",
+                            lambda: fire(bad_value(kind, f.limit, foreign_slot)), undo)
         elif path == "move_kv":
             def make(orig):
                 def move_kv(dst, src):
@@ -125,11 +240,16 @@ def inject(engine, path: str, kind: str, target=None, foreign_slot: int = 0):
                     return d
                 return prepare_draft
             _wrap(slots, "prepare_draft", make, undo)
+            if path == "draft_out_cache_loc":
+                _corrupt_graphs(engine, f, "draft",
+                                lambda: fire(bad_value(kind, f.limit, foreign_slot)), undo)
         elif path == "tree_retrieve":
             import eaglekv.speculative.eagle_worker as ew
+            import eaglekv.speculative.graphs as sg
             f.limit = engine.runner.N
-            for name in ("greedy_accept", "sample_accept"):
-                orig = getattr(ew, name)
+            for mod, name in ((ew, "greedy_accept"), (ew, "sample_accept"),
+                              (sg, "greedy_accept")):
+                orig = getattr(mod, name)
 
                 def accept(tree, *args, _orig=orig):
                     res = _orig(tree, *args)
@@ -138,20 +258,30 @@ def inject(engine, path: str, kind: str, target=None, foreign_slot: int = 0):
                         other = int(deep[0]) if deep.numel() else 0
                         res.path[0, 1] = fire(bad_value(kind, f.limit, other, low=-1))
                     return res
-                setattr(ew, name, accept)
-                undo.append(lambda _n=name, _o=orig: setattr(ew, _n, _o))
-        elif path == "graph_padded_rows":
-            graphs = engine.runner.graphs
+                setattr(mod, name, accept)
+                undo.append(lambda _m=mod, _n=name, _o=orig: setattr(_m, _n, _o))
+            step = graph_objects(engine).get("spec_step")
+            ctl = _SEAM.get(engine.device.type) if step is not None else None
+            if step is not None and step.capture:
+                if ctl is None:
+                    raise RuntimeError("tree_retrieve on captured step graphs: build the "
+                                       "engine under faults.graph_seams(device)")
 
-            def make(orig):
-                def _replay(b):
-                    pad = (graphs.dev[2, :b] == 0).nonzero()     # rows 0: the padded ones
-                    if not f.fired and pad.numel():
-                        graphs.dev[3, int(pad[0])] = fire(bad_value(kind, f.limit,
-                                                                    foreign_slot))
-                    return orig(b)
-                return _replay
-            _wrap(graphs, "_replay", make, undo)
+                def make(orig):
+                    def _replay(b):
+                        if f.fired:
+                            return orig(b)
+                        ctl.copy_(torch.tensor([1, fire(bad_value(kind, f.limit, 0,
+                                                                  low=-1))]))
+                        try:
+                            return orig(b)
+                        finally:
+                            ctl[0] = 0          # stream-ordered after the replay
+                    return _replay
+                _wrap(step, "_replay", make, undo)
+        elif path == "graph_padded_rows":
+            _corrupt_graphs(engine, f, "padded",
+                            lambda: fire(bad_value(kind, f.limit, foreign_slot)), undo)
         yield f
     finally:
         for u in reversed(undo):

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from eaglekv import SamplingParams
-from eaglekv.memory import KVPool
 from eaglekv.testing.faults import KINDS, PATHS, run_case, write_table
 from helpers import spec, tiny_engine
 
@@ -60,13 +59,6 @@ def make_engine(tiny_dir, config):
         eng.runner.graphs = DecodeGraphs(eng.model, eng.backend, 4, eng.max_context_len,
                                          progress=False, capture=False)
     return eng
-
-
-@pytest.fixture(scope="module")
-def canaries():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(KVPool, "canary_rows", 4)
-        yield
 
 
 @pytest.fixture(scope="module")
