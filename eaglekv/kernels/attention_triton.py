@@ -115,17 +115,19 @@ def _attend(q, k_ptr, v_ptr, slot, ok, visible, kvh, k_s0, k_s1, v_s0, v_s1, d, 
 
 @triton.jit(do_not_specialize=["call_id", "size_limit", "n_table"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, mid_o_ptr,
-                   mid_lse_ptr, err_ptr, call_id, size_limit, n_table, qk_scale,
+                   mid_lse_ptr, count_ptr, err_ptr, call_id, size_limit, n_table, qk_scale,
                    q_s0, q_s1, q_s2, o_s0, o_s1, o_s2, k_s0, k_s1, v_s0, v_s1,
-                   H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                   DP: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                   F32DOT: tl.constexpr):
+                   H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                   D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SPLITS: tl.constexpr, SP: tl.constexpr, F32DOT: tl.constexpr):
     """Program (b, kv head, split): the G query heads of one kv head (rows padded to GP) over
     keys [lo, hi), lo = split * chunk, hi = min(lo + chunk, kv_len), chunk = cdiv(kv_len,
     SPLITS). SPLITS == 1 writes the output; else the partial output o = acc / l and
     lse2 = m + log2(l) (-inf for an empty split) go to mid_o (B, H, SPLITS, DP) and
-    mid_lse (B, H, SPLITS). Bad slots and positions outside the table are reported by kv head 0
-    (each key is in one split)."""
+    mid_lse (B, H, SPLITS), and the last split of (b, kv head) to finish merges them (`_merge`;
+    `count` (B, HKV) int32 counts the finished splits and is back to 0 after the launch): one
+    launch, no merge kernel. Bad slots and positions outside the table are reported by kv
+    head 0 (each key is in one split)."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2).to(tl.int64)
@@ -171,29 +173,38 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
         tl.store(mid_o_ptr + row[:, None] * DP + d[None, :], o, mask=hmask[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(mid_lse_ptr + row, lse, mask=hmask)
+        # every thread's partials stored before the release; the last split in merges
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + b * HKV + kvh, 1, sem="acq_rel", scope="gpu")
+        if done == SPLITS - 1:
+            _merge(mid_o_ptr, mid_lse_ptr, out_ptr, b, h, hmask, d, dmask, o_s0, o_s1, o_s2,
+                   H, GP, DP, SPLITS, SP)
+            tl.atomic_xchg(count_ptr + b * HKV + kvh, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, o_s0, o_s1, o_s2, H: tl.constexpr,
-                  D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
-    """Program (b, h): out = sum_s w_s o_s / sum_s w_s, w_s = 2**(lse2_s - max lse2); empty
-    splits (lse2 = -inf) weigh 0, and a sequence with no keys gets zeros."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+def _merge(mid_o_ptr, mid_lse_ptr, out_ptr, b, h, hmask, d, dmask, o_s0, o_s1, o_s2,
+           H: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr,
+           SP: tl.constexpr):
+    """Heads h (GP,) of sequence b: out = sum_s w_s o_s / sum_s w_s, w_s = 2**(lse2_s - max
+    lse2); empty splits (lse2 = -inf) weigh 0, a sequence with no keys gets zeros. The
+    partials of other programs are read past L1 (`.cg`): they were written on other SMs."""
     s = tl.arange(0, SP)
-    smask = s < SPLITS
-    d = tl.arange(0, DP)
-    row = (b * H + h) * SPLITS + s                                     # (SP,)
-    lse = tl.load(mid_lse_ptr + row, mask=smask, other=float("-inf"))
-    m = tl.max(lse, 0)
+    row = (b * H + h)[:, None] * SPLITS + s[None, :]                   # (GP, SP)
+    lse = tl.load(mid_lse_ptr + row, mask=hmask[:, None] & (s < SPLITS)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, 1)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)                                               # (SP,) 0 if empty
-    o = tl.load(mid_o_ptr + row[:, None] * DP + d[None, :], mask=smask[:, None], other=0.0)
-    den = tl.sum(w, 0)
-    num = tl.sum(w[:, None] * o, 0)                                    # (DP,)
-    res = num / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + b * o_s0 + h * o_s1 + d * o_s2, res.to(out_ptr.dtype.element_ty),
-             mask=d < D)
+    w = tl.exp2(lse - m[:, None])                                      # (GP, SP) 0 if empty
+    num = tl.zeros([GP, DP], tl.float32)
+    for si in tl.static_range(SPLITS):
+        o_s = tl.load(mid_o_ptr + ((b * H + h) * SPLITS + si)[:, None] * DP + d[None, :],
+                      mask=hmask[:, None], other=0.0, cache_modifier=".cg")   # (GP, DP)
+        num += tl.sum(tl.where(s[None, :] == si, w, 0.0), 1)[:, None] * o_s
+    den = tl.sum(w, 1)
+    res = num / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(out_ptr + b * o_s0 + h[:, None] * o_s1 + d[None, :] * o_s2,
+             res.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
 
 
 @triton.jit(do_not_specialize=["call_id", "size_limit", "n_table", "n_mask", "n_q"])
@@ -331,21 +342,34 @@ def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scal
     if num_splits > 1:   # scratch shapes from host ints only (graph capture allocates them once)
         mid_o = torch.empty(B, H, num_splits, DP, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+        count = _split_counts(q.device, B * hkv)
     else:
-        mid_o = mid_lse = out                                          # unused
+        mid_o = mid_lse = count = out                                  # unused
     guard, call_id = _register("decode_attention", size_limit, table, layer)
     _decode_kernel[(B, hkv, num_splits)](
-        q, k_buffer, v_buffer, table, kv_start, kv_len, out, mid_o, mid_lse, guard.err,
-        call_id, size_limit, table.numel(), scale * _LOG2E, *q.stride(), *out.stride(),
-        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        H=H, G=G, GP=GP, D=D, DP=DP, BLOCK_N=block_n, SPLITS=num_splits,
-        F32DOT=_f32_dot(q.dtype), num_warps=4)
-    if num_splits > 1:
-        _merge_kernel[(B, H)](mid_o, mid_lse, out, *out.stride(), H=H, D=D, DP=DP,
-                              SPLITS=num_splits, SP=triton.next_power_of_2(num_splits),
-                              num_warps=1 if DP <= 64 else 2)
+        q, k_buffer, v_buffer, table, kv_start, kv_len, out, mid_o, mid_lse, count,
+        guard.err, call_id, size_limit, table.numel(), scale * _LOG2E, *q.stride(),
+        *out.stride(), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
+        v_buffer.stride(1), H=H, HKV=hkv, G=G, GP=GP, D=D, DP=DP, BLOCK_N=block_n,
+        SPLITS=num_splits, SP=triton.next_power_of_2(num_splits), F32DOT=_f32_dot(q.dtype),
+        num_warps=4)
     guard.after_launch()
     return out
+
+
+_COUNTS: dict = {}
+
+
+def _split_counts(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of >= n finished-split counters on `device`, shared by every
+    split-K launch (each leaves its counters at 0; launches on one stream never overlap).
+    Made once, at least 64k entries, on the first launch (a graph's warm-up, never inside
+    a capture unless a batch outgrows it)."""
+    buf = _COUNTS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTS[device] = buf
+    return buf
 
 
 def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, extend_len,
