@@ -7,6 +7,8 @@
   (tokens proposed), `..._num_accepted_tokens` (drafts accepted, bonus excluded) and
   `..._num_accepted_tokens_per_pos{position}` (drafts whose token at that depth was accepted).
 - the older `eaglekv_*` names, kept for existing scrapes.
+- `eaglekv:cuda_memory_{allocated,reserved}_bytes`: the server process's torch CUDA memory,
+  read at each scrape (bench/soak_gpu.py follows them over a soak).
 
 Engine-side figures are read on the engine thread (`refresh`), whenever the loop has changed
 something: after every step, and after every abort or submit between steps, so the gauges do
@@ -15,14 +17,21 @@ not lie while the engine idles.
 
 from __future__ import annotations
 
+import functools
 import time
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from eaglekv.core import SpecStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+def _cuda_memory(read: str) -> float:
+    """torch.cuda.<read>() of the current device, 0 in a process that never used CUDA."""
+    return float(getattr(torch.cuda, read)()) if torch.cuda.is_initialized() else 0.0
 
 
 class Metrics:
@@ -37,6 +46,10 @@ class Metrics:
         self.running = Gauge("eaglekv:num_requests_running", "requests in the batch", lbl, **m)
         self.waiting = Gauge("eaglekv:num_requests_waiting", "requests queued", lbl, **m)
         self.kv_usage = Gauge("eaglekv:kv_cache_usage_perc", "KV slots in use (0..1)", lbl, **m)
+        # ---- the server process's CUDA memory, read at every scrape (0 until CUDA is used) ----
+        for name, read in (("allocated", "memory_allocated"), ("reserved", "memory_reserved")):
+            Gauge(f"eaglekv:cuda_memory_{name}_bytes", f"torch.cuda.{read}() of the current "
+                  "device", **m).set_function(functools.partial(_cuda_memory, read))
         self.preemptions = Counter("eaglekv:num_preemptions", "requests preempted", lbl, **m)
         self.prompt = Counter("eaglekv:prompt_tokens", "prompt tokens of finished requests",
                               lbl, **m)
