@@ -16,6 +16,7 @@ import torch
 
 from eaglekv.attention.triton_backend import TritonAttnMetadata
 from eaglekv.cuda_graph import CapturedForwards
+from eaglekv.kernels.guard import guard_path
 from eaglekv.sampling import valid_argmax
 from eaglekv.speculative.accept import greedy_accept
 from eaglekv.speculative.drafter import DraftOut
@@ -101,6 +102,8 @@ class SpecStepGraphs(CapturedForwards):
         # 3. greedy acceptance; 4. the accepted K/V to depth order (as EagleWorker.decode)
         ok = valid_argmax(logits)                                                 # (b,)
         vr = greedy_accept(tree, logits.argmax(-1), S)
+        # the accepted nodes address the verify window: checked as the eager step does
+        vr.path = guard_path(vr.path, tree.parent, "tree retrieve (accepted node)")
         committed = vr.committed_tokens(tree)                                     # (b, S + 1)
         P = min(S, N - 1)
         path, dst = vr.path[:, 1:P + 1], vslots[:, 1:P + 1]

@@ -180,9 +180,12 @@ class DraftSlots:
 
     def write_verify_table(self, rows: torch.Tensor, seq_lens: torch.Tensor,
                            vslots: torch.Tensor) -> None:
-        """req_to_token[row_b, L_b + j] = vslots[b, j] (device tensors; no host read)."""
+        """req_to_token[row_b, L_b + j] = vslots[b, j] (device tensors; no host read). A
+        padded graph row (row 0, req_to_token's padding row) writes the padding slot 0 only,
+        whatever its slot buffer holds."""
         cols = seq_lens[:, None] + torch.arange(self.N, device=seq_lens.device)[None, :]
-        self.res.req_to_token.req_to_token[rows[:, None], cols] = vslots.to(torch.int32)
+        vals = torch.where(rows[:, None] > 0, vslots, torch.zeros_like(vslots))
+        self.res.req_to_token.req_to_token[rows[:, None], cols] = vals.to(torch.int32)
 
     def alloc_verify(self, reqs, rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """(B, N) cpu slots for positions L_b .. L_b + N - 1, written into req_to_token."""
