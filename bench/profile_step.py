@@ -47,10 +47,12 @@ def sync(dev):
 def profile_mode(model: str, dtype: str, device: str, B: int, spec: SpecConfig | None,
                  steps: int = 20) -> dict:
     engine = Engine(EngineConfig(model=model, dtype=dtype, device=device,
-                                 max_running_requests=max(B, 1), max_total_tokens=16384,
+                                 max_running_requests=max(B, 1),
+                                 max_total_tokens=max(16384, B * 1600),
                                  speculative=spec or SpecConfig()))
     dev = engine.device
-    params = SamplingParams(max_new_tokens=512, ignore_eos=True)   # never reached here
+    # never reached here: 4 + 25 engine steps of the longest decode chain (32 tokens)
+    params = SamplingParams(max_new_tokens=1500, ignore_eos=True)
     reqs = [engine.add_request([1 + i, 2, 3, 4, 5, 6, 7, 8], params) for i in range(B)]
     while any(len(r.output_ids) < 4 for r in reqs):   # prefill done, decoding (warm)
         engine.step()

@@ -115,19 +115,17 @@ def _attend(q, k_ptr, v_ptr, slot, ok, visible, kvh, k_s0, k_s1, v_s0, v_s1, d, 
 
 @triton.jit(do_not_specialize=["call_id", "size_limit", "n_table"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, mid_o_ptr,
-                   mid_lse_ptr, count_ptr, err_ptr, call_id, size_limit, n_table, qk_scale,
+                   mid_lse_ptr, err_ptr, call_id, size_limit, n_table, qk_scale,
                    q_s0, q_s1, q_s2, o_s0, o_s1, o_s2, k_s0, k_s1, v_s0, v_s1,
-                   H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                   D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLITS: tl.constexpr, SP: tl.constexpr, F32DOT: tl.constexpr):
+                   H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                   DP: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                   F32DOT: tl.constexpr):
     """Program (b, kv head, split): the G query heads of one kv head (rows padded to GP) over
     keys [lo, hi), lo = split * chunk, hi = min(lo + chunk, kv_len), chunk = cdiv(kv_len,
     SPLITS). SPLITS == 1 writes the output; else the partial output o = acc / l and
     lse2 = m + log2(l) (-inf for an empty split) go to mid_o (B, H, SPLITS, DP) and
-    mid_lse (B, H, SPLITS), and the last split of (b, kv head) to finish merges them (`_merge`;
-    `count` (B, HKV) int32 counts the finished splits and is back to 0 after the launch): one
-    launch, no merge kernel. Bad slots and positions outside the table are reported by kv
-    head 0 (each key is in one split)."""
+    mid_lse (B, H, SPLITS). Bad slots and positions outside the table are reported by kv head 0
+    (each key is in one split)."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2).to(tl.int64)
@@ -168,83 +166,52 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
     if SPLITS == 1:
         tl.store(out_ptr + b * o_s0 + h[:, None] * o_s1 + d[None, :] * o_s2,
                  o.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
-    else:                                                              # (B, H, SPLITS) rows
-        _finish_split(mid_o_ptr, mid_lse_ptr, count_ptr, b * HKV + kvh, (b * H + h) * SPLITS,
-                      1, hmask, o, l_i, m_i, sp,
-                      out_ptr + b * o_s0 + h[:, None] * o_s1 + d[None, :] * o_s2,
-                      hmask[:, None] & dmask[None, :], GP, DP, SPLITS, SP)
+    else:
+        row = (b * H + h) * SPLITS + sp                                # (GP,) into (B, H, S)
+        tl.store(mid_o_ptr + row[:, None] * DP + d[None, :], o, mask=hmask[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(mid_lse_ptr + row, lse, mask=hmask)
 
 
 @triton.jit
-def _merge(mid_o_ptr, mid_lse_ptr, rbase, s_stride, rmask, out_at, omask, R: tl.constexpr,
-           DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
-    """Rows r (R,) whose split s partial sits at row rbase[r] + s*s_stride of mid_o (rows of
-    DP) and mid_lse: out = sum_s w_s o_s / sum_s w_s, w_s = 2**(lse2_s - max lse2), stored at
-    `out_at` (R, DP) under `omask`; empty splits (lse2 = -inf) weigh 0, a row with no keys
-    gets zeros. The partials of other programs are read past L1 (`.cg`): other SMs wrote them."""
+def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, o_s0, o_s1, o_s2, H: tl.constexpr,
+                  D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+    """Program (b, h): out = sum_s w_s o_s / sum_s w_s, w_s = 2**(lse2_s - max lse2); empty
+    splits (lse2 = -inf) weigh 0, and a sequence with no keys gets zeros."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, SP)
+    smask = s < SPLITS
     d = tl.arange(0, DP)
-    lse = tl.load(mid_lse_ptr + rbase[:, None] + s[None, :] * s_stride,
-                  mask=rmask[:, None] & (s < SPLITS)[None, :], other=float("-inf"),
-                  cache_modifier=".cg")                                # (R, SP)
-    m = tl.max(lse, 1)
+    row = (b * H + h) * SPLITS + s                                     # (SP,)
+    lse = tl.load(mid_lse_ptr + row, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m[:, None])                                      # (R, SP) 0 if empty
-    num = tl.zeros([R, DP], tl.float32)
-    for si in tl.static_range(SPLITS):
-        o_s = tl.load(mid_o_ptr + (rbase + si * s_stride)[:, None] * DP + d[None, :],
-                      mask=rmask[:, None], other=0.0, cache_modifier=".cg")   # (R, DP)
-        num += tl.sum(tl.where(s[None, :] == si, w, 0.0), 1)[:, None] * o_s
-    den = tl.sum(w, 1)
-    res = num / tl.where(den > 0, den, 1.0)[:, None]
-    tl.store(out_at, res.to(out_at.dtype.element_ty), mask=omask)
-
-
-@triton.jit
-def _finish_split(mid_o_ptr, mid_lse_ptr, count_ptr, counter, rbase, s_stride, rmask, o,
-                  l_i, m_i, sp, out_at, omask, R: tl.constexpr, DP: tl.constexpr,
-                  SPLITS: tl.constexpr, SP: tl.constexpr):
-    """Store split sp's partial (o = acc / l, lse2 = m + log2 l, -inf if empty) at rows
-    rbase + sp*s_stride, then count it at `count_ptr + counter`: the last split of the group
-    to finish merges them all (`_merge`) and sets the counter back to 0."""
-    d = tl.arange(0, DP)
-    row = rbase + sp * s_stride                                        # (R,)
-    tl.store(mid_o_ptr + row[:, None] * DP + d[None, :], o, mask=rmask[:, None])
-    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-    tl.store(mid_lse_ptr + row, lse, mask=rmask)
-    # every thread's partials stored before the release; the last split in merges
-    tl.debug_barrier()
-    done = tl.atomic_add(count_ptr + counter, 1, sem="acq_rel", scope="gpu")
-    if done == SPLITS - 1:
-        _merge(mid_o_ptr, mid_lse_ptr, rbase, s_stride, rmask, out_at, omask, R, DP, SPLITS,
-               SP)
-        tl.atomic_xchg(count_ptr + counter, 0, sem="relaxed", scope="gpu")
+    w = tl.exp2(lse - m)                                               # (SP,) 0 if empty
+    o = tl.load(mid_o_ptr + row[:, None] * DP + d[None, :], mask=smask[:, None], other=0.0)
+    den = tl.sum(w, 0)
+    num = tl.sum(w[:, None] * o, 0)                                    # (DP,)
+    res = num / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + b * o_s0 + h * o_s1 + d * o_s2, res.to(out_ptr.dtype.element_ty),
+             mask=d < D)
 
 
 @triton.jit(do_not_specialize=["call_id", "size_limit", "n_table", "n_mask", "n_q"])
 def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_ptr, ext_ptr,
-                   qstart_ptr, mask_ptr, err_ptr, mid_o_ptr, mid_lse_ptr, count_ptr, call_id,
-                   size_limit, n_table, qk_scale,
+                   qstart_ptr, mask_ptr, err_ptr, call_id, size_limit, n_table, qk_scale,
                    q_s0, q_s1, q_s2, o_s0, o_s1, o_s2, k_s0, k_s1, v_s0, v_s1,
                    m_s0, m_s1, m_s2, n_mask, n_q,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CUSTOM: tl.constexpr,
-                   SPLITS: tl.constexpr, SP: tl.constexpr, F32DOT: tl.constexpr):
-    """Program (b, query block * SPLITS + split, kv head): rows r = (t, g) of BLOCK_M queries
-    x GP heads. Query t sits at position prefix + t and sees keys pos < prefix, and window
-    keys j = pos - prefix (j < extend_len) with j <= t (causal) or mask[b, t, j] | (j == t).
-    Split-K (a verify or draft window: few queries over a long prefix): split sp reads the
-    prefix keys [sp * chunk, (sp + 1) * chunk), chunk = cdiv(prefix, SPLITS), and the last
-    split the window too; the partials merge in the last split to finish (`_finish_split`,
-    rows (group, SPLITS, BLOCK_M * GP) of mid_o / mid_lse, group = (b, query block, kv head)).
+                   F32DOT: tl.constexpr):
+    """Program (b, query block, kv head): rows r = (t, g) of BLOCK_M queries x GP heads.
+    Query t sits at position prefix + t and sees keys pos < prefix, and window keys
+    j = pos - prefix (j < extend_len) with j <= t (causal) or mask[b, t, j] | (j == t).
     Bad slots and positions outside the table are reported by kv head 0 of the request's last
-    query block in the grid (each split its own keys), which reads every key any of its
-    blocks reads (all of pos < prefix + extend_len, unless a corrupt extend_len passes the
-    grid's max_extend)."""
+    query block in the grid, which reads every key any of its blocks reads (all of
+    pos < prefix + extend_len, unless a corrupt extend_len passes the grid's max_extend)."""
     b = tl.program_id(0).to(tl.int64)
-    mb = (tl.program_id(1) // SPLITS).to(tl.int64)
-    sp = (tl.program_id(1) % SPLITS).to(tl.int64)
-    nmb = tl.num_programs(1) // SPLITS
+    mb = tl.program_id(1).to(tl.int64)
     kvh = tl.program_id(2).to(tl.int64)
     ext = tl.load(ext_ptr + b).to(tl.int64)
     if mb * BLOCK_M >= ext:
@@ -265,17 +232,13 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
     m_i = tl.full([BLOCK_M * GP], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M * GP], tl.float32)
     acc = tl.zeros([BLOCK_M * GP, DP], tl.float32)
-    is_rep = (kvh == 0) & (mb == tl.minimum((ext - 1) // BLOCK_M, nmb - 1))
+    is_rep = (kvh == 0) & (mb == tl.minimum((ext - 1) // BLOCK_M, tl.num_programs(1) - 1))
     report = (tl.zeros([BLOCK_N], tl.int32) + is_rep.to(tl.int32)) != 0
     nbad = tl.zeros([BLOCK_N], tl.int32)
     first = tl.full([BLOCK_N], _BIG, tl.int64)
     every = tl.full([1, BLOCK_N], 1, tl.int1)
-    # 1. the cached prefix (this split's chunk): visible to every query (positions outside
-    # the table: not read)
-    chunk = (prefix + SPLITS - 1) // SPLITS
-    lo = sp * chunk
-    pend = tl.minimum(lo + chunk, prefix)
-    plo, phi = _in_table(base, lo, pend, n_table)
+    # 1. the cached prefix: visible to every query (positions outside the table: not read)
+    plo, phi = _in_table(base, 0, prefix, n_table)
     for n0 in range(plo, phi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         slot, ok, bad, tpos = _load_slots(table_ptr, base, j, j < phi, n_table, size_limit,
@@ -290,7 +253,6 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
         hi = ext
     else:
         hi = tl.minimum(ext, (mb + 1) * BLOCK_M)
-    hi = tl.where(sp == SPLITS - 1, hi, 0)                             # the last split's
     wlo, whi = _in_table(base + prefix, 0, hi, n_table)
     for n0 in range(wlo, whi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)                    # (N,) window index
@@ -311,19 +273,12 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
     cid = call_id.to(tl.int64)
     _record(err_ptr, nbad, first, (cid + 1) << 32)
     if is_rep:
-        n_pre, k_pre = _outside(base, lo, pend, n_table)
+        n_pre, k_pre = _outside(base, 0, prefix, n_table)
         n_win, k_win = _outside(base + prefix, 0, hi, n_table)
         _record_one(err_ptr, n_pre + n_win, (cid << 32) + tl.minimum(k_pre, k_win))
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out_at = out_ptr + (q0 + t)[:, None] * o_s0 + h[:, None] * o_s1 + d[None, :] * o_s2
-    if SPLITS == 1:
-        tl.store(out_at, o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
-    else:
-        group = (b * nmb + mb) * tl.num_programs(2) + kvh
-        _finish_split(mid_o_ptr, mid_lse_ptr, count_ptr, group,
-                      group * SPLITS * (BLOCK_M * GP) + r, BLOCK_M * GP, rmask, o, l_i, m_i,
-                      sp, out_at, rmask[:, None] & dmask[None, :], BLOCK_M * GP, DP, SPLITS,
-                      SP)
+    tl.store(out_ptr + (q0 + t)[:, None] * o_s0 + h[:, None] * o_s1 + d[None, :] * o_s2,
+             o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
 def _f32_dot(dtype: torch.dtype) -> bool:
@@ -376,48 +331,21 @@ def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scal
     if num_splits > 1:   # scratch shapes from host ints only (graph capture allocates them once)
         mid_o = torch.empty(B, H, num_splits, DP, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
-        count = _split_counts(q.device, B * hkv)
     else:
-        mid_o = mid_lse = count = out                                  # unused
+        mid_o = mid_lse = out                                          # unused
     guard, call_id = _register("decode_attention", size_limit, table, layer)
     _decode_kernel[(B, hkv, num_splits)](
-        q, k_buffer, v_buffer, table, kv_start, kv_len, out, mid_o, mid_lse, count,
-        guard.err, call_id, size_limit, table.numel(), scale * _LOG2E, *q.stride(),
-        *out.stride(), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
-        v_buffer.stride(1), H=H, HKV=hkv, G=G, GP=GP, D=D, DP=DP, BLOCK_N=block_n,
-        SPLITS=num_splits, SP=triton.next_power_of_2(num_splits), F32DOT=_f32_dot(q.dtype),
-        num_warps=4)
+        q, k_buffer, v_buffer, table, kv_start, kv_len, out, mid_o, mid_lse, guard.err,
+        call_id, size_limit, table.numel(), scale * _LOG2E, *q.stride(), *out.stride(),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        H=H, G=G, GP=GP, D=D, DP=DP, BLOCK_N=block_n, SPLITS=num_splits,
+        F32DOT=_f32_dot(q.dtype), num_warps=4)
+    if num_splits > 1:
+        _merge_kernel[(B, H)](mid_o, mid_lse, out, *out.stride(), H=H, D=D, DP=DP,
+                              SPLITS=num_splits, SP=triton.next_power_of_2(num_splits),
+                              num_warps=1 if DP <= 64 else 2)
     guard.after_launch()
     return out
-
-
-SPLIT_EXTEND_MAX = 16   # extends of at most this many tokens (verify, draft window) split K
-
-
-def extend_num_splits(programs: int, max_extend: int, device: torch.device) -> int:
-    """Split-K of an extend: a verify or draft window (max_extend <= SPLIT_EXTEND_MAX) has
-    few query blocks over a prefix that may be long, so its (b, query block, kv head)
-    programs split the prefix until there are >= 2 programs per SM (at most MAX_SPLITS);
-    a prefill keeps one program per block (host ints only)."""
-    if max_extend > SPLIT_EXTEND_MAX:
-        return 1
-    from eaglekv.kernels.attention import MAX_SPLITS, _sm_count
-    return max(1, min(MAX_SPLITS, -(-2 * _sm_count(device) // max(1, programs))))
-
-
-_COUNTS: dict = {}
-
-
-def _split_counts(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 buffer of >= n finished-split counters on `device`, shared by every
-    split-K launch (each leaves its counters at 0; launches on one stream never overlap).
-    Made once, at least 64k entries, on the first launch (a graph's warm-up, never inside
-    a capture unless a batch outgrows it)."""
-    buf = _COUNTS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTS[device] = buf
-    return buf
 
 
 def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, extend_len,
@@ -436,23 +364,13 @@ def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, 
     custom = mask is not None
     mk = mask.view(torch.uint8) if custom else table                   # bool read as bytes
     ms = mk.stride() if custom else (0, 0, 0)
-    nmb = triton.cdiv(max_extend, block_m)
-    splits = extend_num_splits(B * nmb * hkv, max_extend, q.device)
-    if splits > 1:       # scratch shapes from host ints only (a graph allocates them once)
-        groups, rows = B * nmb * hkv, block_m * GP
-        mid_o = torch.empty(groups, splits, rows, DP, dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty(groups, splits, rows, dtype=torch.float32, device=q.device)
-        count = _split_counts(q.device, groups)
-    else:
-        mid_o = mid_lse = count = out                                  # unused
     guard, call_id = _register("extend_attention", size_limit, table, layer)
-    _extend_kernel[(B, nmb * splits, hkv)](
+    _extend_kernel[(B, triton.cdiv(max_extend, block_m), hkv)](
         q, k_buffer, v_buffer, out, table, kv_start, prefix_len, extend_len, q_start, mk,
-        guard.err, mid_o, mid_lse, count, call_id, size_limit, table.numel(),
-        scale * _LOG2E, *q.stride(), *out.stride(), k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1), *ms, mask.shape[1] if custom else 0, T,
+        guard.err, call_id, size_limit, table.numel(), scale * _LOG2E, *q.stride(),
+        *out.stride(), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
+        v_buffer.stride(1), *ms, mask.shape[1] if custom else 0, T,
         G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m, BLOCK_N=block_n, CUSTOM=custom,
-        SPLITS=splits, SP=triton.next_power_of_2(splits), F32DOT=_f32_dot(q.dtype),
-        num_warps=8 if block_m * GP >= 128 else 4)
+        F32DOT=_f32_dot(q.dtype), num_warps=8 if block_m * GP >= 128 else 4)
     guard.after_launch()
     return out

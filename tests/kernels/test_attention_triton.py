@@ -111,27 +111,6 @@ def test_decode_matches_reference(shape, dtype):
         close(out, ref, dtype)
 
 
-def test_decode_split_merge_in_kernel_leaves_counters_at_zero():
-    """Split-K decode merges in its last split to finish (one launch): the same output as
-    one split and the reference, launch after launch, and its finished-split counters are
-    all back to 0 after each launch (the next launch, or graph replay, starts clean)."""
-    from eaglekv.kernels import attention_triton as at
-    H, hkv, D = 4, 2, 16
-    g = torch.Generator().manual_seed(7)
-    table, start, rows = make_table("page1", [70, 33, 5], g)
-    kb, vb = kv_buffers(rows, hkv, D, torch.float32, g)
-    q = torch.randn(3, H, D, generator=g)
-    kv_len = torch.tensor([70, 33, 5])
-    ref = decode_attention_torch(q, kb, vb, table, start, kv_len, D ** -0.5, size_limit=rows)
-    args = to_dev(q, kb, vb, table, start, kv_len)
-    one = decode_attention(*args, D ** -0.5, size_limit=rows, num_splits=1)
-    for splits in (2, 4, 3, 4):
-        out = decode_attention(*args, D ** -0.5, size_limit=rows, num_splits=splits)
-        close(out, ref, torch.float32)
-        assert torch.allclose(out, one, atol=1e-5, rtol=1e-5)
-        assert int(at._COUNTS[args[0].device].abs().sum()) == 0
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_extend_matches_reference(shape, dtype):

@@ -351,7 +351,9 @@ def test_gpu_adaptive_mix_greedy_equals_plain(tiny_dir, deep_dir, alg, graphs):
     sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 47))]
     plain = [o.token_ids for o in tiny_engine(d, device="cuda").generate(prompts, sp)]
+    # chains of 4: a plain step of the script must leave tokens for the speculative ones
     eng = tiny_engine(d, device="cuda", max_running_requests=4, disable_cuda_graph=not graphs,
+                      num_scheduler_steps=4,
                       speculative=dict(algorithm=alg, draft_model="random", adaptive=True,
                                        shapes=((3, 1, 4), (2, 2, 4))))
     shapes = [Shape(3, 1, 4), Shape(2, 2, 4)]
