@@ -16,7 +16,7 @@ import torch
 
 from eaglekv.attention.triton_backend import TritonAttnMetadata
 from eaglekv.cuda_graph import CapturedForwards
-from eaglekv.kernels.guard import guard_path
+from eaglekv.kernels.guard import guard_indices, guard_path
 from eaglekv.sampling import valid_argmax
 from eaglekv.speculative.accept import greedy_accept
 from eaglekv.speculative.drafter import DraftOut
@@ -80,8 +80,10 @@ class SpecStepGraphs(CapturedForwards):
         w, res = self.worker, self.worker.res
         S, N = w.S, w.N
         L, rows, root, live, dslots, vslots = self._views(b, self.inputs)
-        # 1. draft: its slots into req_to_token, its kv lists (guarded), S - 1 forwards over
-        # the branches, then the tree
+        # 1. draft: its slots checked (a bad one is named from this static buffer at the
+        # sync, and slot 0 goes on in its place), into req_to_token, its kv lists (guarded),
+        # S - 1 forwards over the branches, then the tree
+        dslots = guard_indices(dslots, res.kv_pool.size_limit, "draft out_cache_loc")
         w.slots.write_draft_tables(rows, L, dslots, self.lens_sum)
         d = DraftBatch(w.slots, dslots, [])
         pool = w.loop.run(None, self.root_logits[:b], self.root_hidden[:b], L, dslots,
