@@ -21,7 +21,8 @@ for phase in "$@"; do
     gen)
       python3 -m eaglekv.cli train-draft gen-data --model "$M" --out $R/sg --device "$DEV" \
         --budget "${GEN_BUDGET:-280}" --n-prompts "${N_PROMPTS:-40000}" --max-new "${MAX_NEW:-256}" \
-        --greedy-frac "${GREEDY_FRAC:-0.5}" --seed 0 --no-progress > "$OUT/gen.log" 2>&1
+        --greedy-frac "${GREEDY_FRAC:-0.5}" --write-frac "${WRITE_FRAC:-0.5}" --seed "${SEED:-0}" \
+        --no-progress > "$OUT/gen.log" 2>&1
       echo "rc=$?"; tail -4 "$OUT/gen.log"
       mkdir -p "$OUT/sg" && cp $R/sg/manifest.json $R/sg/heldout_prompts.json "$OUT/sg/"
       ;;
