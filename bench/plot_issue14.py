@@ -1,5 +1,6 @@
-"""Plot issue 14's H200 run: held-out accept length and top-1 over training (both calls of
-`bench/h200_issue14.sh train`), and eval-draft's acceptance rate per draft position.
+"""Plot issue 14's H200 runs side by side: held-out accept length and top-1 over training, and
+eval-draft's acceptance rate per draft position, for the first head (v1: 1.05M tokens, two
+resumed calls) and the second (v2: 4.84M tokens, one call).
     python bench/plot_issue14.py  ->  bench/results/train_eagle3_h200.png"""
 
 import json
@@ -10,34 +11,47 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 R = Path(__file__).resolve().parent / "results"
-logs = [json.loads((R / f"train_eagle3_h200_part{i}.json").read_text()) for i in (1, 2)]
-held = {e["step"]: e for log in logs for e in log["held_out"] if "accept_length" in e}
-hist = {h["step"]: h for log in logs for h in log["history"]}
-ev = json.loads((R / "eval_draft_eagle3_h200.json").read_text())
 
-fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
-steps = sorted(held)
-for S in ("3", "5", "7"):
-    ax[0].plot(steps, [held[s]["accept_length"][S] for s in steps], "o-", label=f"chain S{S}")
+
+def load(names: list[str]) -> dict:
+    logs = [json.loads((R / n).read_text()) for n in names]
+    return {"log": logs[-1],
+            "held": {e["step"]: e for lg in logs for e in lg["held_out"] if "accept_length" in e},
+            "hist": {h["step"]: h for lg in logs for h in lg["history"]}}
+
+
+RUNS = {"v1": (load(["train_eagle3_h200_part1.json", "train_eagle3_h200_part2.json"]),
+               json.loads((R / "eval_draft_eagle3_h200.json").read_text())),
+        "v2": (load(["train_eagle3_h200_v2.json"]),
+               json.loads((R / "eval_draft_eagle3_v2_h200.json").read_text()))}
+
+fig, ax = plt.subplots(1, 3, figsize=(17, 4.8))
+for (name, (run, ev)), style in zip(RUNS.items(), ("--", "-")):
+    held, hist, log = run["held"], run["hist"], run["log"]
+    steps = sorted(held)
+    tag = f"{name} ({log['data']['tokens'] / 1e6:.2f}M tokens)"
+    for S in ("3", "5", "7"):
+        ax[0].plot(steps, [held[s]["accept_length"][S] for s in steps], "o" + style,
+                   label=f"{tag}: chain S{S}")
+    hs = sorted(hist)
+    ax[1].plot(hs, [hist[s]["top1_0"] for s in hs], style, label=f"{tag}: train top-1, step 0")
+    ax[1].plot(steps, [held[s]["top1_0"] for s in steps], "o" + style,
+               label=f"{tag}: held-out top-1, step 0")
+    for r in ev["runs"]:
+        if r["temperature"] == 0:
+            ax[2].plot(range(1, len(r["position_rates"]) + 1), r["position_rates"], "o" + style,
+                       label=f"{name} {r['shape']}: accept {r['accept_length_mean']:.2f}, "
+                             f"{r['speedup']:.2f}x plain")
 ax[0].set(xlabel="training step", ylabel="accept length (offline, held-out greedy)",
           title="held-out accept length")
-ax[0].legend()
-hs = sorted(hist)
-for k in (0, 3, 6):
-    ax[1].plot(hs, [hist[s][f"top1_{k}"] for s in hs], label=f"train top-1, step {k}")
-ax[1].plot(steps, [held[s]["top1_0"] for s in steps], "ko-", label="held-out top-1, step 0")
-ax[1].set(xlabel="training step", ylabel="top-1", title="train vs held-out (over-fitting)")
-ax[1].legend(fontsize=8)
-for r in ev["runs"]:
-    ax[2].plot(range(1, len(r["position_rates"]) + 1), r["position_rates"], "o-",
-               label=f"{r['shape']} T={r['temperature']}: {r['accept_length_mean']:.2f}, "
-                     f"{r['speedup']:.2f}x")
+ax[0].legend(fontsize=7)
+ax[1].set(xlabel="training step", ylabel="top-1", title="train vs held-out")
+ax[1].legend(fontsize=7)
 ax[2].set(xlabel="draft position", ylabel="acceptance rate",
-          title=f"eval-draft, {ev['prompts']} held-out prompts, b1, {ev['device']}")
+          title="eval-draft, 24 held-out prompts, b1, greedy, H200 bf16")
 ax[2].legend(fontsize=7)
-fig.suptitle(f"EAGLE-3 head for SmolLM2-135M-Instruct, {logs[0]['date']}, "
-             f"{logs[0]['device']}: {logs[0]['data']['tokens']} tokens, "
-             f"{logs[1]['steps']} steps, {logs[1]['train_seconds']:.0f} s")
+fig.suptitle("EAGLE-3 heads for SmolLM2-135M-Instruct trained here (H200, 2026-12-04): "
+             "v1 02:09 UTC, v2 12:18 UTC")
 fig.tight_layout()
 fig.savefig(R / "train_eagle3_h200.png", dpi=90)
 print(R / "train_eagle3_h200.png")
