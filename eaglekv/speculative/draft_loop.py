@@ -65,8 +65,9 @@ class DraftLoop:
         """(n, V) draft logits -> (tokens (n, K), log-probs (n, K), q (n, V) or None)."""
         logp = torch.log_softmax(logits.float(), -1)                       # (n, V)
         if not sample_chain:
-            lp, tok = logp.topk(self.K, -1)                                 # (n, K)
-            return tok, lp, None
+            # a chain's pick is one reduction (max); topk is a 4-5 kernel radix select on CUDA
+            lp, tok = logp.max(-1, keepdim=True) if self.K == 1 else logp.topk(self.K, -1)
+            return tok, lp, None                                            # (n, K) each
         # topk == 1 with sampling: x ~ q by the exponential race argmax(q / E), E ~ Exp(1)
         q = processed_probs(logits, [r.params for r in reqs])               # (n, V)
         expo = exponential_noise([r.generator for r in reqs], q.shape[-1], q.device)
@@ -102,8 +103,9 @@ class DraftLoop:
             kv_lens = None if reqs is None else tuple(lb + i for lb in lens_host
                                                       for _ in range(K))
             kv_len = kv_base + i if live is None else kv_base + i * live   # (B,)
-            meta = decode_meta(step, kv_lens, kv_len.repeat_interleave(K))
-            positions = (seq_lens + i - 1)[:, None].expand(B, K).reshape(-1)  # (B*K,)
+            meta = decode_meta(step, kv_lens, kv_len if K == 1 else kv_len.repeat_interleave(K))
+            positions = (seq_lens + (i - 1) if K == 1 else                 # (B*K,)
+                         (seq_lens + i - 1)[:, None].expand(B, K).reshape(-1))
             ctx = contexts_of(paths) if self.drafter.needs_contexts else None
             out = self.drafter.decode(tok.reshape(-1), positions,
                                       None if hidden is None else hidden.reshape(B * K, -1),
@@ -120,6 +122,13 @@ class DraftLoop:
                 pool_q.append(c_q.view(B, 1, -1))
             if i == S - 1:
                 break
+            if K == 1:    # a chain: the one child is the next branch (no select, no gather)
+                score, tok, branch_pool = cum.view(B, 1), c_tok.view(B, 1), branch_pool + 1
+                if out.hidden is not None:
+                    hidden = out.hidden.view(B, 1, -1)
+                if ctx is not None:
+                    paths = torch.cat([paths, tok[:, :, None]], 2)         # (B, 1, i + 1)
+                continue
             # keep the K best children as the next branches
             score, pick = cum.reshape(B, K * K).topk(K, -1)                # (B, K)
             parent_branch = pick // K                                      # (B, K)
