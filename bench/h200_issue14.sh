@@ -4,6 +4,10 @@
 #   bench/h200_issue14.sh train        # EAGLE-3 + TTT on $R/sg (resumes $R/ckpt.pt)
 #   bench/h200_issue14.sh eval         # eval-draft of $R/head3 on the held-out prompts, b1
 # Stage the model first (part a in one call, part b carried in the next; h200_issue13.sh).
+# A machine kept /root across calls only sometimes (2026-12-04: lost between a 430 s gen call
+# and the next): gen returns its shards under $OUT/sg, so a later call can carry them in
+# (DATA_DIR=.carry/sg) after the model is staged again. bench/data/selfgen_smollm2_v2/ holds
+# the shipped head's data.
 set -uo pipefail
 export PYTHONPATH=.:.carry/pylib
 M=${MODEL:-/root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -24,10 +28,12 @@ for phase in "$@"; do
         --greedy-frac "${GREEDY_FRAC:-0.5}" --write-frac "${WRITE_FRAC:-0.5}" --seed "${SEED:-0}" \
         --no-progress > "$OUT/gen.log" 2>&1
       echo "rc=$?"; tail -4 "$OUT/gen.log"
-      mkdir -p "$OUT/sg" && cp $R/sg/manifest.json $R/sg/heldout_prompts.json "$OUT/sg/"
+      # the shards come back too (uint16 ids, ~10 MB for 3.6M response tokens): the machine may
+      # be gone by the next call, and then the training call carries them in (DATA_DIR)
+      mkdir -p "$OUT/sg" && cp $R/sg/manifest.json $R/sg/data-*.safetensors "$OUT/sg/"
       ;;
     train)
-      python3 -m eaglekv.cli train-draft train --algorithm eagle3 --model "$M" --data-dir $R/sg \
+      python3 -m eaglekv.cli train-draft train --algorithm eagle3 --model "$M" --data-dir "${DATA_DIR:-$R/sg}" \
         --out $R/head3 --ckpt $R/ckpt.pt ${RESUME:+--resume} --device "$DEV" \
         --train-budget "${TRAIN_TOTAL:-480}" --deadline "${DEADLINE:-270}" --lr "${LR:-6e-4}" \
         --warmup 100 --max-tokens "${MAX_TOKENS:-32768}" --draft-vocab "${VOCAB:-16384}" \
