@@ -7,7 +7,10 @@
 # A machine kept /root across calls only sometimes (2026-12-04: lost between a 430 s gen call
 # and the next): gen returns its shards under $OUT/sg, so a later call can carry them in
 # (DATA_DIR=.carry/sg) after the model is staged again. bench/data/selfgen_smollm2_v2/ holds
-# the shipped head's data.
+# the shipped head's data (9.5 MB): with a model part (47 MB) only ~17 MB of tree fits in a
+# call, so for the staging calls leave the draft heads, bench/results and that folder out of
+# the tree (git rm --cached + .git/info/exclude, restored after), copy the folder to
+# .carry/sg, carry it with part a (`cp -r .carry/sg /root/sg`), then train with part b.
 set -uo pipefail
 export PYTHONPATH=.:.carry/pylib
 M=${MODEL:-/root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
