@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 14 on the H200, phases in order, several per call (the machine keeps /root while warm):
 #   bench/h200_issue14.sh gen          # the target writes prompts and answers them -> $R/sg
-#   bench/h200_issue14.sh train        # EAGLE-3 + TTT on $R/sg (resumes $R/ckpt.pt)
+#   bench/h200_issue14.sh train        # EAGLE-3 + TTT on $R/sg (resumes $R/ckpt.pt; INIT_FROM=
+#                                      # eaglekv/drafts/smollm2-135m-instruct-eagle3 goes on
+#                                      # from the shipped head)
 #   bench/h200_issue14.sh eval         # eval-draft of $R/head3 on the held-out prompts, b1
 # Stage the model first (part a in one call, part b carried in the next; h200_issue13.sh).
 # A machine kept /root across calls only sometimes (2026-12-04: lost between a 430 s gen call
@@ -38,6 +40,7 @@ for phase in "$@"; do
     train)
       python3 -m eaglekv.cli train-draft train --algorithm eagle3 --model "$M" --data-dir "${DATA_DIR:-$R/sg}" \
         --out $R/head3 --ckpt $R/ckpt.pt ${RESUME:+--resume} --device "$DEV" \
+        ${INIT_FROM:+--init-from "$INIT_FROM"} \
         --train-budget "${TRAIN_TOTAL:-480}" --deadline "${DEADLINE:-270}" --lr "${LR:-6e-4}" \
         --warmup 100 --max-tokens "${MAX_TOKENS:-32768}" --draft-vocab "${VOCAB:-16384}" \
         --ttt-steps 7 --eval-every-s 60 --log "$OUT/train_log${RESUME:+_resumed}.json" 2>&1 \

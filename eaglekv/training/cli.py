@@ -209,6 +209,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll")
     e.add_argument("--ckpt", default=None, help="trainer state, saved every 2 min and at the end")
     e.add_argument("--resume", action="store_true", help="continue from --ckpt")
+    e.add_argument("--init-from", default=None, help="start from a published EAGLE-3 head "
+                   "(e.g. the shipped one: weights and draft vocabulary; a fresh optimizer)")
 
 
 def build_parser() -> argparse.ArgumentParser:

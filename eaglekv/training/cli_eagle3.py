@@ -28,6 +28,28 @@ def response_tokens(seqs: list[dict], which: list[int]) -> torch.Tensor:
                         dtype=torch.int64)
 
 
+def read_init_head(path) -> dict[str, torch.Tensor]:
+    """The state dict of a published EAGLE-3 head (`--init-from`), e.g. the shipped one."""
+    from eaglekv.model.draft_io import read_draft_dir
+    _, sd = read_draft_dir(path, "--init-from EAGLE-3 head")
+    missing = [k for k in ("d2t", "t2d", "lm_head.weight") if k not in sd]
+    if missing:
+        raise SystemExit(f"--init-from {path}: not an EAGLE-3 head (no {', '.join(missing)})")
+    return sd
+
+
+def load_published(head, sd: dict[str, torch.Tensor], path) -> None:
+    """Copy a published head's tensors into `head` (same target shapes); a missing, extra or
+    differently shaped tensor is an error naming it."""
+    own = head.state_dict()
+    extra, missing = sorted(set(sd) - set(own)), sorted(set(own) - set(sd))
+    bad = [k for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
+    if extra or missing or bad:
+        raise SystemExit(f"--init-from {path} does not fit this target's head: extra "
+                         f"{extra}, missing {missing}, shapes differ {bad}")
+    head.load_state_dict({k: v.to(own[k].dtype) for k, v in sd.items()})
+
+
 def cmd_train_eagle3(args, seqs: list[dict], command_line: str, out) -> dict:
     from eaglekv.model.draft_io import save_draft_dir
     from eaglekv.model.eagle3 import Eagle3DraftModel
@@ -35,7 +57,7 @@ def cmd_train_eagle3(args, seqs: list[dict], command_line: str, out) -> dict:
     from eaglekv.training.eagle3_data import extract_eagle3_features
     from eaglekv.training.eagle3_head import eagle3_head_for_target
     from eaglekv.training.eagle3_loop import Targets, evaluate_eagle3, train_eagle3
-    from eaglekv.training.vocab import choose_draft_vocab
+    from eaglekv.training.vocab import DraftVocab, choose_draft_vocab
     t_start = time.time()
     log = {"command": command_line, "algorithm": "eagle3",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
@@ -66,10 +88,15 @@ def cmd_train_eagle3(args, seqs: list[dict], command_line: str, out) -> dict:
                                                     for i in train_ids)),
                    "greedy": sum(bool(s["greedy"]) for s in seqs), "aux_layers": list(aux_layers)}
     out(f"features of {data.num_tokens} tokens in {log['feature_seconds']}s: {log['data']}")
-    # 2. the draft vocabulary: the most frequent response tokens of the training sequences
-    eos = tuple(sorted(set(cfg.eos_token_ids)))
-    vocab = choose_draft_vocab(response_tokens(seqs, train_ids), cfg.vocab_size,
-                               min(args.draft_vocab, cfg.vocab_size), always=eos)
+    # 2. the draft vocabulary: the most frequent response tokens of the training sequences,
+    # or, with --init-from, the published head's own (its lm_head rows are in that order)
+    init = read_init_head(args.init_from) if getattr(args, "init_from", None) else None
+    if init is not None:
+        vocab = DraftVocab.from_maps(init["d2t"], init["t2d"])
+    else:
+        eos = tuple(sorted(set(cfg.eos_token_ids)))
+        vocab = choose_draft_vocab(response_tokens(seqs, train_ids), cfg.vocab_size,
+                                   min(args.draft_vocab, cfg.vocab_size), always=eos)
     log["vocab"] = {"draft_vocab_size": vocab.size, "target_vocab_size": cfg.vocab_size,
                     "coverage_train": vocab.coverage(response_tokens(seqs, train_ids)),
                     "coverage_held_out": vocab.coverage(response_tokens(seqs, eval_ids))}
@@ -77,6 +104,9 @@ def cmd_train_eagle3(args, seqs: list[dict], command_line: str, out) -> dict:
     # 3. the head, its output side initialised from the target's
     head, cfg_dict = eagle3_head_for_target(cfg, vocab, seed=args.seed)
     head.init_from_target(lm_head, final_norm)
+    if init is not None:     # every weight from the published head; a fresh optimizer
+        load_published(head, init, args.init_from)
+        log["init_from"] = str(args.init_from)
     head.to(dev)
     tg = Targets(embed, lm_head, vocab.target_ids)
     log["head_params"] = sum(p.numel() for p in head.parameters())

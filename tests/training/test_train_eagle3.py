@@ -241,3 +241,40 @@ def test_train_draft_cli_on_gen_data(setup, tmp_path, algorithm):
         assert rec["recipe"]["eval_sequences"] == n_held
         assert rec["recipe"]["train_sequences"] == len(seqs) - n_held
         load_eagle_draft(out, load_hf_dir(path)[0])
+
+
+def test_train_init_from_a_published_head(setup, tmp_path):
+    """`train --algorithm eagle3 --init-from HEAD`: the new run starts from HEAD's weights and
+    keeps its draft vocabulary (with lr 0 the saved head is HEAD again, tensor for tensor; with
+    a real lr it moves), and a head of another shape is refused by name."""
+    from eaglekv.model.draft_io import read_draft_dir
+    from eaglekv.training.cli import main
+    from eaglekv.training.seqstore import save_gen_data
+    path, model, cfg, data = setup
+    seqs = [{**s, "kind": "chat", "held_out": i % 5 == 0} for i, s in enumerate(data.seqs)]
+    save_gen_data(tmp_path / "sg", seqs, {"command": "test"})
+
+    def train(out, *extra):
+        assert main(["train", "--algorithm", "eagle3", "--model", str(path), "--data-dir",
+                     str(tmp_path / "sg"), "--out", str(out), "--device", "cpu",
+                     "--max-steps", "3", "--max-tokens", "256", "--warmup", "1",
+                     "--ttt-steps", "2", *extra]) == 0
+        return read_draft_dir(out, "head")[1]
+
+    a = train(tmp_path / "a", "--draft-vocab", "64", "--seed", "1")
+    same = train(tmp_path / "b", "--init-from", str(tmp_path / "a"), "--lr", "0",
+                 "--draft-vocab", "96", "--seed", "2")
+    assert set(same) == set(a)
+    assert all(torch.equal(same[k], a[k]) for k in a)          # d2t / t2d: 64 tokens, kept
+    moved = train(tmp_path / "c", "--init-from", str(tmp_path / "a"), "--lr", "1e-3")
+    assert torch.equal(moved["d2t"], a["d2t"])
+    assert not torch.equal(moved["fc.weight"], a["fc.weight"])
+    fresh = train(tmp_path / "d", "--draft-vocab", "64", "--seed", "2")
+    assert not torch.equal(fresh["fc.weight"], a["fc.weight"])  # the seed matters without it
+    other = train(tmp_path / "e", "--draft-vocab", "32")
+    import safetensors.torch
+    sd = dict(other)
+    sd["fc.weight"] = sd["fc.weight"][:, :-1].contiguous()
+    safetensors.torch.save_file(sd, str(tmp_path / "e" / "model.safetensors"))
+    with pytest.raises(SystemExit, match="fc.weight"):
+        train(tmp_path / "f", "--init-from", str(tmp_path / "e"))
