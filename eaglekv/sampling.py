@@ -21,15 +21,40 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p; the first token always stays,
-        # even where top_p rounds to 0 in fp32
-        drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= params.top_p
-        drop[..., 0] = False
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = top_p_filter(probs, params.top_p)
     return probs
+
+
+TOP_P_CANDIDATES = 1024
+
+
+def top_p_filter(probs: torch.Tensor, top_p, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., V) probabilities -> the smallest descending prefix whose mass reaches `top_p` (a
+    float, or a tensor broadcasting against (..., 1)), renormalised; the first token always
+    stays, even where top_p rounds to 0 in fp32. `rows` (..., 1) bool: only these rows must be
+    right (the caller discards the others).
+
+    On the CPU a full sort of a 49k vocabulary costs ~3.5 ms a row (a fifth of a sampled
+    speculative step there), so the prefix is looked for among the `TOP_P_CANDIDATES` largest
+    (torch.topk, ~8x cheaper): when their mass reaches top_p in every row that counts, every
+    later token is dropped by the same rule (its exclusive prefix sum is at least theirs), so
+    the result is the full sort's. Otherwise, and on other devices (where the check would be a
+    host sync), the full sort."""
+    V = probs.shape[-1]
+    k = min(V, TOP_P_CANDIDATES)
+    if probs.device.type == "cpu" and k < V:
+        vals, order = torch.topk(probs, k, dim=-1)                      # sorted, descending
+        covered = vals.sum(-1, keepdim=True) >= top_p
+        if rows is not None:
+            covered = covered | ~rows
+        if not bool(covered.all()):
+            vals, order = torch.sort(probs, dim=-1, descending=True)
+    else:
+        vals, order = torch.sort(probs, dim=-1, descending=True)
+    drop = (torch.cumsum(vals, -1) - vals) >= top_p
+    drop[..., 0] = False
+    kept = torch.zeros_like(probs).scatter_(-1, order, vals.masked_fill(drop, 0.0))
+    return kept / kept.sum(-1, keepdim=True)
 
 
 def batched_target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -51,12 +76,9 @@ def batched_target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> 
     cut = [p.top_p < 1.0 for p in params]
     if any(cut):
         top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]    # (R, 1)
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= top_p                  # (R, V)
-        drop[..., 0] = False
-        kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
-        kept = kept / kept.sum(-1, keepdim=True)
-        probs = torch.where(torch.tensor(cut, device=dev)[:, None], kept, probs)  # top_p = 1 rows as is
+        cut_rows = torch.tensor(cut, device=dev)[:, None]                        # (R, 1)
+        kept = top_p_filter(probs, top_p, cut_rows)
+        probs = torch.where(cut_rows, kept, probs)                               # top_p = 1 rows as is
     return probs
 
 
