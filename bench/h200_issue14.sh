@@ -10,9 +10,12 @@
 # and the next): gen returns its shards under $OUT/sg, so a later call can carry them in
 # (DATA_DIR=.carry/sg) after the model is staged again. bench/data/selfgen_smollm2_v2/ holds
 # the shipped head's data (9.5 MB): with a model part (47 MB) only ~17 MB of tree fits in a
-# call, so for the staging calls leave the draft heads, bench/results and that folder out of
-# the tree (git rm --cached + .git/info/exclude, restored after), copy the folder to
-# .carry/sg, carry it with part a (`cp -r .carry/sg /root/sg`), then train with part b.
+# call, so for the staging calls `bench/gpu_tree.sh slim` moves the draft heads, bench/results
+# and that folder under .carry/slimmed (tree 4 MB); carry the folder with part a
+# (carry [".carry/smollm2/a", ".carry/slimmed/bench/data/selfgen_smollm2_v2"], command
+# `cp -r .carry/slimmed/bench/data/selfgen_smollm2_v2 /root/sg && cp .carry/smollm2/a/part.aa
+# /root/smollm2/`), train with part b in the next call (INIT_FROM needs the shipped head: it
+# is under .carry/slimmed too, carry it along), and `bench/gpu_tree.sh restore` after.
 set -uo pipefail
 export PYTHONPATH=.:.carry/pylib
 M=${MODEL:-/root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
