@@ -14,8 +14,10 @@
 # and that folder under .carry/slimmed (tree 4 MB); carry the folder with part a
 # (carry [".carry/smollm2/a", ".carry/slimmed/bench/data/selfgen_smollm2_v2"], command
 # `cp -r .carry/slimmed/bench/data/selfgen_smollm2_v2 /root/sg && cp .carry/smollm2/a/part.aa
-# /root/smollm2/`), train with part b in the next call (INIT_FROM needs the shipped head: it
-# is under .carry/slimmed too, carry it along), and `bench/gpu_tree.sh restore` after.
+# /root/smollm2/`), then part b (a short call: the model is assembled), then a third call
+# that trains, carrying the shipped head (28 MB, .carry/slimmed/eaglekv/drafts/...-eagle3 with
+# its config.json copied beside it) for INIT_FROM; short calls keep the machine warm, a long one
+# may not. `bench/gpu_tree.sh restore` after.
 set -uo pipefail
 export PYTHONPATH=.:.carry/pylib
 M=${MODEL:-/root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
