@@ -212,6 +212,9 @@ def _eval_draft_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--temperatures", default="0,0.7", help="0: greedy, checked "
                    "token for token against plain decoding")
     e.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
+    e.add_argument("--also-draft", action="append", default=None, metavar="[ALG:]PATH",
+                   help="another draft measured in the same process against the same plain "
+                   "runs (repeatable), e.g. eagle3:/root/head3 or eagle:default")
     e.add_argument("--out", default=None, help="the JSON (default: bench/results/"
                    "eval_draft_<spec>_<device type>.json)")
 

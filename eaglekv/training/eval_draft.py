@@ -171,19 +171,38 @@ def run_figures(spec: SpecConfig, temperature: float, run: Run, plain: Run,
             "greedy_mismatches": None if bad is None else len(bad), "mismatched": bad}
 
 
+def parse_also(items: list[str] | None, algorithm: str) -> list[tuple[str, str]]:
+    """--also-draft values, each "ALGORITHM:PATH" or a PATH for --spec's algorithm ->
+    [(algorithm, draft)]."""
+    out = []
+    for item in items or []:
+        alg, sep, path = item.partition(":")
+        if not sep or alg not in ("eagle", "eagle3", "multi_layer_eagle"):
+            alg, path = algorithm, item
+        if alg == "none" or not path:
+            raise ConfigError(f"--also-draft {item!r}: give ALGORITHM:PATH (eagle, eagle3, "
+                              f"multi_layer_eagle) or a PATH for --spec {algorithm}")
+        out.append((alg, path))
+    return out
+
+
 def evaluate(base: EngineConfig, algorithm: str, draft: str, prompts: list[dict],
              shapes: list[tuple[int, int, int]], temperatures: list[float],
              max_new_tokens: int = 128, seed: int = 0,
              make_engine: Callable[[EngineConfig], Engine] = Engine,
-             log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)) -> dict:
+             log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr),
+             also: list[tuple[str, str]] = ()) -> dict:
     """Every shape x temperature against plain decoding (see the module doc). `base`: the
     engine's config without speculation (its max_running_requests: the requests in flight);
-    `make_engine` builds each engine from its config (tests pass a scripted drafter)."""
+    `make_engine` builds each engine from its config (tests pass a scripted drafter). `also`:
+    more (algorithm, draft) pairs measured in the same process against the same plain runs,
+    so two heads compare side by side; each run records its algorithm and draft."""
     if base.speculative.enabled:
         raise ConfigError("evaluate's base config must be plain; the shapes set speculation")
     if algorithm == "none":
         raise ConfigError("--spec none has no draft to evaluate; give eagle or eagle3")
-    specs = [SpecConfig(algorithm, draft, S, K, N, adaptive=False) for S, K, N in shapes]
+    specs = [SpecConfig(alg, d, S, K, N, adaptive=False)
+             for alg, d in [(algorithm, draft), *also] for S, K, N in shapes]
     params = {T: [SamplingParams(max_new_tokens=max_new_tokens, temperature=T, seed=seed + i)
                   for i in range(len(prompts))] for T in temperatures}
     kinds = [p["kind"] for p in prompts]
@@ -202,15 +221,17 @@ def evaluate(base: EngineConfig, algorithm: str, draft: str, prompts: list[dict]
         engine = make_engine(dataclasses.replace(base, speculative=spec))
         engine.generate(ids[:1], warm)
         for T in temperatures:
-            runs.append(run_figures(spec, T, run_prompts(engine, ids, params[T]), plain[T],
-                                    kinds))
-            log(row(runs[-1]))
+            runs.append({"algorithm": spec.algorithm, "draft": spec.draft_model,
+                         **run_figures(spec, T, run_prompts(engine, ids, params[T]), plain[T],
+                                       kinds)})
+            log(row(runs[-1], label=bool(also)))
         del engine
     dev = torch.device(base.device)
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "machine": f"{platform.machine()} {os.cpu_count()} cpus", "torch": torch.__version__,
             "model": base.model, "dtype": base.dtype, "algorithm": algorithm, "draft": draft,
+            "also": [list(a) for a in also],
             "batch": base.max_running_requests, "max_new_tokens": max_new_tokens, "seed": seed,
             "prompts": len(prompts), "prompt_tokens_mean": sum(map(len, ids)) / len(ids),
             "prompts_by_kind": {k: kinds.count(k) for k in sorted(set(kinds))},
@@ -219,12 +240,14 @@ def evaluate(base: EngineConfig, algorithm: str, draft: str, prompts: list[dict]
             "runs": runs}
 
 
-def row(r: dict) -> str:
+def row(r: dict, label: bool = False) -> str:
+    """One run's table line; `label`: prefixed by its algorithm and draft (several drafts)."""
+    head = f"{r['algorithm']}:{r['draft']}  " if label else ""
     rates = " ".join(f"{x:.2f}" for x in r["position_rates"])
     kinds = " ".join(f"{k} {v:.2f}" for k, v in r["accept_length_by_kind"].items())
     bad = "-" if r["greedy_mismatches"] is None else str(r["greedy_mismatches"])
     speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-    return (f"{r['shape']:<14} {r['temperature']:>4g} {r['accept_length_mean']:>6.2f}  "
+    return (f"{head}{r['shape']:<14} {r['temperature']:>4g} {r['accept_length_mean']:>6.2f}  "
             f"{rates:<30} {r['tokens_per_s']:>8.1f} {r['plain_tokens_per_s']:>8.1f} "
             f"{speedup:>7} {bad:>4}  {kinds}")
 
@@ -234,8 +257,9 @@ def table(result: dict) -> str:
             f"{'spec t/s':>8} {'plain':>8} {'speedup':>7} {'mism':>4}  accept by kind")
     return "\n".join([f"{result['algorithm']} draft {result['draft']!r} on {result['model']!r}"
                       f" ({result['device']}, {result['prompts']} prompts, batch "
-                      f"{result['batch']}, {result['max_new_tokens']} new tokens)", head]
-                     + [row(r) for r in result["runs"]])
+                      f"{result['batch']}, {result['max_new_tokens']} new tokens)"
+                      + "".join(f", also {a}:{d}" for a, d in result.get("also", [])), head]
+                     + [row(r, label=bool(result.get("also"))) for r in result["runs"]])
 
 
 def main(args, base: EngineConfig) -> dict:
@@ -243,8 +267,9 @@ def main(args, base: EngineConfig) -> dict:
     built from them; prints the table and writes the JSON to --out."""
     shapes, temps = parse_shapes(args.shapes), parse_temperatures(args.temperatures)
     prompts = load_prompts(args.prompts, args.max_prompts)   # all checked before a model loads
+    also = parse_also(getattr(args, "also_draft", None), args.spec)
     result = evaluate(base, args.spec, args.draft, prompts, shapes, temps,
-                      args.max_new_tokens, args.seed)
+                      args.max_new_tokens, args.seed, also=also)
     result = {"command": args.command_line, "prompts_file": args.prompts, **result}
     print(table(result))
     out = Path(args.out or f"bench/results/eval_draft_{args.spec}_"

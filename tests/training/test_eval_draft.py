@@ -157,3 +157,26 @@ def test_cli_end_to_end(tiny_dir, tmp_path, capsys):
     assert "chain_S2K1N3" in capsys.readouterr().out
     assert cli_main(argv + ["--num-steps", "3"]) == 2
     assert "--num-steps" in capsys.readouterr().err
+
+
+def test_also_draft_runs_in_the_same_process(tiny_dir, tmp_path, capsys):
+    """--also-draft: a second draft measured against the same plain runs, its rows labelled by
+    algorithm and draft, in the JSON and the table; a bad value is a usage error."""
+    prompts, out = tmp_path / "prompts.json", tmp_path / "eval.json"
+    prompts.write_text(json.dumps(PROMPTS_KINDS))
+    argv = ["eval-draft", "--model", str(tiny_dir), "--draft", "random", "--prompts",
+            str(prompts), "--max-prompts", "2", "--max-new-tokens", "5", "--shapes", "S2K1N3",
+            "--temperatures", "0", "--out", str(out), "--also-draft", "eagle:random",
+            "--also-draft", "multi_layer_eagle:random"]
+    assert cli_main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["also"] == [["eagle", "random"], ["multi_layer_eagle", "random"]]
+    assert [(r["algorithm"], r["draft"]) for r in res["runs"]] == [
+        ("eagle", "random"), ("eagle", "random"), ("multi_layer_eagle", "random")]
+    assert len(res["plain"]) == 1                       # one plain run for every draft
+    assert all(r["greedy_mismatches"] == 0 for r in res["runs"])
+    assert "multi_layer_eagle:random  chain_S2K1N3" in capsys.readouterr().out
+    assert eval_draft.parse_also(["/some/dir", "eagle3:default"], "eagle") == [
+        ("eagle", "/some/dir"), ("eagle3", "default")]
+    with pytest.raises(ConfigError, match="--also-draft"):
+        eval_draft.parse_also(["eagle3:"], "eagle")
