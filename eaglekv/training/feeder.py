@@ -32,7 +32,12 @@ class Feeder:
     quarter of the capacity by default): every admission is a prefill step, which breaks the
     engine's multi-step decode chain, so topping up one request per finished one would prefill
     nearly every step (on the H200 with 256 running, gen-data answered at 10k tok/s where plain
-    batch-64 decoding runs 38k). No job starts once the running ones could not end
+    batch-64 decoding runs 38k). Greedy and sampled requests are not mixed in the engine
+    (`homogeneous`): only an all-greedy batch decodes multi-step chains inside CUDA graphs
+    (ModelRunner.run_graph), so one sampled request among 255 greedy ones cost every one of
+    them its chain. A job of the other kind waits (the first `lookahead` queued jobs are
+    searched for one of the running kind) until the running ones end; then the kind switches.
+    No job starts once the running ones could not end
     by `deadline` (drain = max_new x the mean step time); at `deadline` all still running are
     aborted and dropped. A step that raises fails only its requests (Engine.step): they are
     counted and dropped, and the run goes on (the error is raised after `max_errors`). Counts
@@ -53,6 +58,22 @@ class Feeder:
     seconds: float = 0.0
     _step_s: float = 0.0
     admit_batch: int | None = None    # None: capacity // 4 (at least 1)
+    homogeneous: bool = True          # never greedy and sampled requests in the engine at once
+    lookahead: int | None = None      # None: 4 x capacity
+    switches: int = 0                 # how often the running kind was chosen afresh
+
+    def _next_job(self, greedy: bool | None) -> Job | None:
+        """The first queued job of kind `greedy` (any kind when None) among the first
+        `lookahead`, taken out of the queue; None: there is none."""
+        if not self.homogeneous or greedy is None:
+            return self.queue.popleft()
+        for i, job in enumerate(self.queue):
+            if i >= (self.lookahead or 4 * self.capacity):
+                break
+            if job.params.greedy == greedy:
+                del self.queue[i]
+                return job
+        return None
 
     def push(self, job: Job) -> None:
         self.queue.append(job)
@@ -72,8 +93,14 @@ class Feeder:
             room = self.capacity - len(active) >= min(batch, len(self.queue)) or not active
             if room and now + min(self.max_new * self._step_s,
                                   0.5 * (self.deadline - t0)) < self.deadline:
+                kind = next(iter(active.values())).params.greedy if active else None
                 while self.queue and len(active) < self.capacity:
-                    job = self.queue.popleft()
+                    job = self._next_job(kind)
+                    if job is None:           # only the other kind is queued: it waits
+                        break
+                    if kind is None and self.homogeneous:
+                        kind = job.params.greedy
+                        self.switches += 1
                     try:
                         active[self.engine.add_request(job.ids, job.params)] = job
                     except RequestError:      # too long for the context: skipped
@@ -117,7 +144,7 @@ class Feeder:
         return {"seconds": round(self.seconds, 2), "output_tokens": self.tokens,
                 "tok_s": round(self.tokens / self.seconds, 1) if self.seconds else 0.0,
                 "finished": self.finished, "aborted": self.aborted, "failed": self.failed,
-                "cut_by_budget": self.cut}
+                "cut_by_budget": self.cut, "kind_switches": self.switches}
 
 
 def progress_bar(total: int, desc: str, progress: bool):

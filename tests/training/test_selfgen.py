@@ -222,3 +222,61 @@ def test_gen_data_stage_on_the_default_model(smol_engine, tmp_path, capsys):
     assert len(held) == man["prompts"]["held_out"]
     assert all(h["ids"] and h["kind"] in KINDS for h in held)
     assert "sequences" in capsys.readouterr().out
+
+
+class KindRequest:
+    def __init__(self, params, left):
+        self.params, self.left, self.output_ids = params, left, []
+        self.finished, self.finish_reason = False, None
+
+
+class KindEngine:
+    """A stand-in engine for the Feeder: a request runs 1-4 steps; each step records the
+    greedy flags of the requests in it."""
+
+    def __init__(self):
+        self.running, self.steps = [], []
+
+    def add_request(self, ids, params):
+        req = KindRequest(params, 1 + sum(ids) % 4)
+        self.running.append(req)
+        return req
+
+    def step(self):
+        self.steps.append({r.params.greedy for r in self.running})
+        for r in self.running:
+            r.output_ids.append(7)
+            r.left -= 1
+            if r.left == 0:
+                r.finished, r.finish_reason = True, "length"
+        done = [r for r in self.running if r.finished]
+        self.running = [r for r in self.running if not r.finished]
+        return done
+
+    def abort(self, req):
+        self.running.remove(req)
+
+
+@pytest.mark.parametrize("homogeneous", [True, False])
+def test_feeder_never_mixes_greedy_and_sampled(homogeneous):
+    """Greedy and sampled jobs interleaved one by one: with `homogeneous` (the default) no step
+    holds both kinds (an all-greedy batch keeps its multi-step chain), every job still runs
+    once, and the kind switches a bounded number of times; without it they mix."""
+    from eaglekv.training.feeder import Feeder, Job
+    eng, done = KindEngine(), []
+    feeder = Feeder(eng, capacity=8, max_new=4, homogeneous=homogeneous)
+    rng = random.Random(0)
+    for i in range(200):
+        params = (SamplingParams(max_new_tokens=4) if i % 2 == 0 else
+                  SamplingParams(max_new_tokens=4, temperature=0.7, seed=i))
+        feeder.push(Job([rng.randrange(100)], params, lambda r, i=i: done.append(i)))
+    feeder.run()
+    assert sorted(done) == list(range(200)) and not feeder.queue
+    mixed = sum(len(kinds) > 1 for kinds in eng.steps)
+    if homogeneous:
+        assert mixed == 0
+        # the first 4 x capacity queued jobs are searched, so a kind runs on while any of
+        # its jobs is among them: a few switches, not one per job (5 here)
+        assert 2 <= feeder.stats()["kind_switches"] <= 200 // 16
+    else:
+        assert mixed > len(eng.steps) // 2
