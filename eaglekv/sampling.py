@@ -59,8 +59,9 @@ def top_p_filter(probs: torch.Tensor, top_p, rows: torch.Tensor | None = None) -
 
 def batched_target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """(R, V) logits, one SamplingParams per row -> (R, V) float32: row r equals
-    `target_probs(logits[r], params[r])`, computed for all rows at once (one sort for top-k, one
-    for top-p) instead of a dozen kernels per row."""
+    `target_probs(logits[r], params[r])` to fp32 rounding (a batched softmax and normalisation
+    may round a last bit differently, ~3e-8; tests/engine/test_top_p.py), computed for all
+    rows at once (one sort for top-k, one top-p filter) instead of a dozen kernels per row."""
     dev = logits.device
     temp = torch.tensor([p.temperature for p in params], device=dev)[:, None]   # (R, 1)
     x = logits.float() / temp
