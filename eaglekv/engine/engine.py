@@ -180,6 +180,7 @@ class Engine:
         """Plan, run, commit; returns the step's requests. An error inside the runner (a
         KVIndexError, or anything else) fails only them: their KV and rows are freed, the
         slots the step took included, and the error is raised; the engine keeps serving."""
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.reqs:
             return []
@@ -192,7 +193,11 @@ class Engine:
                 self.owners.scrub(plan.reqs)
             self.scheduler.fail(plan)
             raise
-        return self.scheduler.commit(plan, result)
+        done = self.scheduler.commit(plan, result)
+        step_done = getattr(self.runner, "step_done", None)
+        if step_done is not None:      # adaptive speculation costs the whole step
+            step_done(time.perf_counter() - t0)
+        return done
 
     # ---- public API ----------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],

@@ -16,6 +16,15 @@ its next speculative step the draft extends over them in one forward (only the l
 position's logits are computed), which writes the draft's K/V of those positions into their
 slots (shared with the target's) and gives the root again. So a request that never
 speculates again costs nothing beyond plain decoding but a feature row a step.
+
+What a step costs is its whole wall time, as the engine measures it from planning to commit
+(`step_done`): the timers around the plain and speculative parts miss the draft catch-ups,
+the packing around the replays and the scheduler's commit of the step's tokens, and those grow
+with the batch and with the tokens a step makes. On the H200 at batch 64 they were a fifth of
+a speculative step, and a policy costing only the timed parts chose S5 where plain decoding is
+faster (issue 15's run of 2026-12-04). The part the timers missed is shared among the step's
+parts in proportion to their timed seconds, so a split step's plain part, which shares the
+plain cell with all-plain steps, is costed as those are.
 """
 
 from __future__ import annotations
@@ -93,6 +102,7 @@ class AdaptiveWorker:
             w.reset_stats()
         self.policy.counts.clear()
         self.plain_seconds = 0.0
+        self._pending = None      # the last decode's parts, costed when the engine reports
 
     @property
     def stats(self) -> SpecStats:
@@ -132,6 +142,7 @@ class AdaptiveWorker:
 
     def decode(self, reqs) -> StepResult:
         B = len(reqs)
+        self._charge(None)             # a step the engine did not report: its timed parts
         chain = self._can_chain(reqs)
         choice = self.policy.choose(reqs, chain=chain)
         if not choice.spec:            # the whole batch decodes plainly: no merging
@@ -139,7 +150,7 @@ class AdaptiveWorker:
             res, k = self._plain(reqs, chain)
             dt = time.perf_counter() - t
             self.plain_seconds += dt
-            self.policy.costs.observe(CHAIN if k > 1 else PLAIN, B, dt / k)   # per token
+            self._pending = [(CHAIN if k > 1 else PLAIN, B, dt, k)]    # costed per token
             self.policy.observe_plain(reqs, k)
             res.draft_tokens = [0] * B
             return res
@@ -147,6 +158,7 @@ class AdaptiveWorker:
                          kv_advance=[0] * B, last_slots=[-1] * B, accepted=[None] * B,
                          draft_tokens=[0] * B)
         free = []
+        self._pending = []
         for part, idx in (("plain", choice.plain), ("spec", choice.spec)):
             if not idx:
                 continue
@@ -156,13 +168,13 @@ class AdaptiveWorker:
                 res, _ = self._plain(sub)
                 dt = time.perf_counter() - t
                 self.plain_seconds += dt
-                self.policy.costs.observe(PLAIN, len(sub), dt)
+                self._pending.append((PLAIN, len(sub), dt, 1))
                 self.policy.observe_plain(sub)
             else:
                 self._catch_up(sub)
                 t = time.perf_counter()
                 res = self.workers[choice.shape].decode(sub)
-                self.policy.costs.observe(choice.shape.label, len(sub), time.perf_counter() - t)
+                self._pending.append((choice.shape.label, len(sub), time.perf_counter() - t, 1))
                 self.policy.observe_spec(sub, choice.shape,
                                          [None if f else a
                                           for f, a in zip(res.failed, res.accepted)])
@@ -176,6 +188,24 @@ class AdaptiveWorker:
                 free.append(res.free_slots)
         out.free_slots = torch.cat(free) if free else None
         return out
+
+    # ---- what a step cost ----------------------------------------------------------------------
+    def step_done(self, seconds: float) -> None:
+        """The engine's wall time of the step just committed (planning, the run, the
+        commit): the costs of the step's parts are observed with it (module docstring)."""
+        self._charge(seconds)
+
+    def _charge(self, wall: float | None) -> None:
+        """Observe the pending step's parts: (label, requests, timed seconds, tokens each).
+        `wall`: the whole step's seconds, the untimed rest shared in proportion to the timed
+        ones; None: the timed parts alone."""
+        parts, self._pending = self._pending, None
+        if not parts:
+            return
+        timed = sum(p[2] for p in parts)
+        scale = 1.0 if wall is None or timed <= 0 else max(1.0, wall / timed)
+        for label, n, sec, k in parts:
+            self.policy.costs.observe(label, n, sec * scale / k)
 
     # ---- plain steps and catching up ---------------------------------------------------------------
     def _can_chain(self, reqs) -> bool:

@@ -622,3 +622,45 @@ def test_policy_driven_chains_cost_per_token(tiny_dir, reference, monkeypatch):
     assert st.choices[PLAIN] < 20, st.choices             # 39 tokens each after the prefill
     eng.check_memory()
     assert eng.allocator.is_full()
+
+
+def test_a_step_is_costed_by_its_whole_wall_time(tiny_dir, reference):
+    """The engine reports each step's wall time, planning to commit, and the policy's costs are
+    that, not only the timed forwards: with a commit made 30 ms slower, what each decode step
+    charges to its cells adds up to its wall time, at least 30 ms, for all-plain, split and
+    speculative steps alike (no chains here: a chain's cell is charged per token). Outputs stay plain decoding's."""
+    import time as _time
+    eng = adaptive_engine(tiny_dir, max_running_requests=4)
+    w = eng.runner
+    w.policy.costs = CostTable(drop_first=False)
+    scripted_choices(eng, lambda step, n: (
+        Choice(None, [], list(range(n))) if step % 3 == 0 else
+        Choice(S3, [0], list(range(1, n))) if step % 3 == 1 and n > 1 else
+        Choice(S3, list(range(n)), [])))
+    commit, observe, report = eng.scheduler.commit, w.policy.costs.observe, w.step_done
+    charged, steps = [], []
+
+    def slow_commit(plan, result):
+        _time.sleep(0.03)
+        return commit(plan, result)
+
+    def reported(seconds):
+        charged.clear()
+        report(seconds)
+        if charged:                             # a decode step (a prefill charges nothing)
+            steps.append((w.policy.last.label, sum(charged), seconds))
+
+    eng.scheduler.commit = slow_commit
+    w.policy.costs.observe = lambda label, n, sec: (charged.append(sec), observe(label, n, sec))
+    w.step_done = reported
+    outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r[:12] for r in reference]
+    kinds = {label for label, _, _ in steps}
+    assert {PLAIN, S3.label, S3.label + "+plain"} <= kinds, kinds
+    for label, total, wall in steps:
+        assert total == pytest.approx(wall, rel=1e-6) and total >= 0.03, (label, total, wall)
+    # without the engine's report (a worker driven directly) the timed parts are charged alone
+    charged.clear()
+    w._pending = [(PLAIN, 1, 0.001, 1)]
+    w._charge(None)
+    assert charged == [0.001] and w._pending is None
