@@ -97,6 +97,27 @@ def test_cost_table_cells_estimates_and_cache(tmp_path):
     assert cpu.get(PLAIN, 1) == pytest.approx(0.3)
 
 
+def test_a_cost_cell_is_the_mean_step():
+    """Steps of two kinds (a speculative step with and without a draft catch-up: 1 and 2 ms,
+    half each) are costed at their mean, 1.5 ms, whatever order they come in; a one-time
+    spike moves the cell by at most alpha x 3x; a seed taken in a slow moment falls fast."""
+    rng = np.random.default_rng(0)
+    t = CostTable(drop_first=False)
+    seen = []
+    for x in rng.choice([1.0, 2.0], size=2000):
+        t.observe(S3.label, 1, float(x))
+        seen.append(t.get(S3.label, 1))
+    # an average of the last 20 observations moves with them; over time it is the mean
+    assert abs(np.mean(seen[500:]) - 1.5) < 0.03 and 1.1 < min(seen[500:]), np.mean(seen[500:])
+    before = t.get(S3.label, 1)
+    t.observe(S3.label, 1, 1000.0)                     # a compile in the middle of a run
+    assert t.get(S3.label, 1) <= before + t.alpha * 2 * before + 1e-9
+    slow = CostTable(drop_first=False)
+    for x in (10.0, 10.0, 1.0, 1.0, 1.0, 1.0):         # seeded while the machine was busy
+        slow.observe(PLAIN, 1, x)
+    assert slow.get(PLAIN, 1) < 2.5
+
+
 # ---- the choice ----------------------------------------------------------------------------------
 def policy(costs: dict[str, float], shapes=(S3,)) -> AdaptivePolicy:
     p = AdaptivePolicy(list(shapes), CostTable.fixed(costs))
