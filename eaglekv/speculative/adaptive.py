@@ -253,6 +253,8 @@ class AdaptivePolicy:
         self.next_refresh = 128
         self.replan_every = 8          # an all-plain choice holds this many tokens (batch > 1)
         self._plain_key, self._plain_left = None, 0
+        self.scalar_one = True         # observe_spec's batch-1 path in scalars (_observe_one)
+        self._all_known = None         # (bucket, epoch, chain, table) whose cells are all known
         self._restore(costs.saved_state)
         costs.state_fn = self._summary_state
 
@@ -286,6 +288,10 @@ class AdaptivePolicy:
     # ---- per request ---------------------------------------------------------------------------
     def _rows(self, reqs) -> np.ndarray:
         """The requests' rows; a row whose request changed starts from the engine's rates."""
+        if len(reqs) == 1:     # batch 1: no generator, no vector compare (host time a step)
+            r = reqs[0]
+            if r.row < len(self.owner) and self.owner[r.row] == r.rid:
+                return np.array([r.row], dtype=np.int64)
         rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=len(reqs))
         rids = np.fromiter((r.rid for r in reqs), dtype=np.int64, count=len(reqs))
         if rows.max() >= len(self.owner):
@@ -349,11 +355,14 @@ class AdaptivePolicy:
         costs = self.costs
         self.steps += 1
         alone = CHAIN if chain else PLAIN              # the all-plain step's cost cell
-        if costs.get(alone, B) is None:
-            return self._chosen(Choice(None, [], list(range(B)), explore=True))
-        for s in self.shapes:               # a shape never measured at this size: try it
-            if costs.get(s.label, B) is None:
-                return self._chosen(Choice(s, list(range(B)), [], explore=True))
+        known = (bucket(B), costs.epoch, chain, id(costs))   # whether a cell is None changes
+        if self._all_known != known:                         # only with the epoch
+            if costs.get(alone, B) is None:
+                return self._chosen(Choice(None, [], list(range(B)), explore=True))
+            for s in self.shapes:           # a shape never measured at this size: try it
+                if costs.get(s.label, B) is None:
+                    return self._chosen(Choice(s, list(range(B)), [], explore=True))
+            self._all_known = known
         rows = self._rows(reqs)
         key = (rows.tobytes(), self.costs.epoch, chain)
         if self._plain_key == key and self._plain_left > 0:
@@ -474,6 +483,9 @@ class AdaptivePolicy:
         keep = [i for i, a in enumerate(accepted) if a is not None]
         if not keep:
             return
+        if len(keep) == 1 and shape.K == 1 and self.scalar_one:
+            self._observe_one(reqs[keep[0]], shape.S, int(accepted[keep[0]]))
+            return
         rows = self._rows([reqs[i] for i in keep])
         a = np.array([accepted[i] for i in keep], dtype=np.float64)           # (m,)
         S, m = shape.S, len(keep)
@@ -493,6 +505,26 @@ class AdaptivePolicy:
         mean = x.mean(0)
         self.engine_rates[:S] += (1 - (1 - self.alpha_engine) ** w) * (mean - self.engine_rates[:S])
         self.prior[:S] += (1 - (1 - self.alpha_prior) ** w) * (mean - self.prior[:S])
+        self.seen = max(self.seen, S)
+
+    def _observe_one(self, req, S: int, a: int) -> None:
+        """observe_spec for one request of a chain shape, in Python scalars: the same
+        arithmetic element by element (tested equal), without numpy's per-call cost, which at
+        batch 1 was most of the policy's host time a step (bench/host_step.py)."""
+        row = int(self._rows([req])[0])
+        if self.on[row]:
+            self.probes[row] = max(0, int(self.probes[row]) - 1)
+        self.on[row] = True
+        rates, slow, nobs = self.rates[row], self.slow[row], self.nobs[row]
+        ge = 1 - (1 - self.alpha_engine) ** 1
+        gp = 1 - (1 - self.alpha_prior) ** 1
+        for i in range(S):
+            x = 1.0 if a >= i + 1 else 0.0
+            rates[i] += self.alpha * (x - rates[i])
+            slow[i] += self.alpha_slow * (x - slow[i])
+            nobs[i] += 1
+            self.engine_rates[i] += ge * (x - self.engine_rates[i])
+            self.prior[i] += gp * (x - self.prior[i])
         self.seen = max(self.seen, S)
 
     # ---- saying why ----------------------------------------------------------------------------

@@ -685,3 +685,29 @@ def test_a_step_is_costed_by_its_whole_wall_time(tiny_dir, reference):
     w._pending = [(PLAIN, 1, 0.001, 1)]
     w._charge(None)
     assert charged == [0.001] and w._pending is None
+
+
+def test_batch_1_observations_in_scalars_equal_the_vector_path():
+    """observe_spec's batch-1 chain path (Python scalars, for host time) leaves every array
+    of the policy as the vector path does, over a random run of drafts, plain steps and a
+    new request in the row."""
+    rng = np.random.default_rng(3)
+    pols = [AdaptivePolicy([S3, Shape(5, 1, 6)], CostTable.fixed({PLAIN: 1.0})) for _ in range(2)]
+    pols[1].scalar_one = False
+    a, b = FakeReq(), FakeReq()
+    b.row = a.row                                        # b takes a's row later
+    for step in range(300):
+        r = a if step < 150 else b
+        shape = S3 if rng.random() < 0.5 else Shape(5, 1, 6)
+        acc = int(rng.integers(0, shape.S + 1))
+        plain = rng.random() < 0.2
+        for p in pols:
+            if plain:
+                p.observe_plain([r], 2)
+            else:
+                p.observe_spec([r], shape, [acc])
+    one, vec = pols
+    for name in ("rates", "slow", "nobs", "wait", "probes", "on", "owner", "engine_rates",
+                 "prior"):
+        np.testing.assert_array_equal(getattr(one, name), getattr(vec, name), err_msg=name)
+    assert one.seen == vec.seen
