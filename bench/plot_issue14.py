@@ -1,6 +1,7 @@
 """Plot issue 14's H200 runs side by side: held-out accept length and top-1 over training, and
 eval-draft's acceptance rate per draft position, for the first head (v1: 1.05M tokens, two
-resumed calls) and the second (v2: 4.84M tokens, one call).
+resumed calls), the second (v2: 4.84M tokens, one call) and the third (v3: v2 trained on for
+two more calls on the same data, `--init-from`, steps counted on from v2's).
     python bench/plot_issue14.py  ->  bench/results/train_eagle3_h200.png"""
 
 import json
@@ -13,23 +14,37 @@ import matplotlib.pyplot as plt
 R = Path(__file__).resolve().parent / "results"
 
 
-def load(names: list[str]) -> dict:
+def load(names: list[str], offsets: tuple[int, ...] = ()) -> dict:
+    """Training logs of one head; `offsets`: the steps before each log (a run started
+    `--init-from` a head counts its steps from 0)."""
     logs = [json.loads((R / n).read_text()) for n in names]
+    offs = offsets or (0,) * len(logs)
     return {"log": logs[-1],
-            "held": {e["step"]: e for lg in logs for e in lg["held_out"] if "accept_length" in e},
-            "hist": {h["step"]: h for lg in logs for h in lg["history"]}}
+            "held": {o + e["step"]: e for lg, o in zip(logs, offs) for e in lg["held_out"]
+                     if "accept_length" in e},
+            "hist": {o + h["step"]: h for lg, o in zip(logs, offs) for h in lg["history"]}}
+
+
+def runs_of(ev: dict, draft: str | None) -> dict:
+    """eval-draft's JSON keeping only the runs of one draft (it measures several at once)."""
+    return {**ev, "runs": [r for r in ev["runs"] if draft is None or r["draft"] == draft]}
 
 
 RUNS = {"v1": (load(["train_eagle3_h200_part1.json", "train_eagle3_h200_part2.json"]),
                json.loads((R / "eval_draft_eagle3_h200.json").read_text())),
         "v2": (load(["train_eagle3_h200_v2.json"]),
-               json.loads((R / "eval_draft_eagle3_v2_h200.json").read_text()))}
+               json.loads((R / "eval_draft_eagle3_v2_h200.json").read_text())),
+        "v3": (load(["train_eagle3_h200_v2.json", "train_eagle3_h200_v3a.json",
+                     "train_eagle3_h200_v3.json"], (0, 1669, 1669 + 1580)),
+               runs_of(json.loads((R / "eval_draft_eagle3_v3_h200.json").read_text()),
+                       "/root/head3"))}
 
 fig, ax = plt.subplots(1, 3, figsize=(17, 4.8))
-for (name, (run, ev)), style in zip(RUNS.items(), ("--", "-")):
+for (name, (run, ev)), style in zip(RUNS.items(), (":", "--", "-")):
     held, hist, log = run["held"], run["hist"], run["log"]
     steps = sorted(held)
-    tag = f"{name} ({log['data']['tokens'] / 1e6:.2f}M tokens)"
+    hist = run["hist"]
+    tag = f"{name} ({log['data']['tokens'] / 1e6:.2f}M tokens, {max(hist)} steps)"
     for S in ("3", "5", "7"):
         ax[0].plot(steps, [held[s]["accept_length"][S] for s in steps], "o" + style,
                    label=f"{tag}: chain S{S}")
@@ -51,7 +66,7 @@ ax[2].set(xlabel="draft position", ylabel="acceptance rate",
           title="eval-draft, 24 held-out prompts, b1, greedy, H200 bf16")
 ax[2].legend(fontsize=7)
 fig.suptitle("EAGLE-3 heads for SmolLM2-135M-Instruct trained here (H200, 2026-12-04): "
-             "v1 02:09 UTC, v2 12:18 UTC")
+             "v1 02:09 UTC, v2 12:18 UTC, v3 14:48 UTC")
 fig.tight_layout()
 fig.savefig(R / "train_eagle3_h200.png", dpi=90)
 print(R / "train_eagle3_h200.png")
