@@ -260,15 +260,20 @@ class EagleWorker:
         result = StepResult(tokens=[None] * B, logprobs=[None] * B, failed=[False] * B,
                             kv_advance=[0] * B, last_slots=[-1] * B, accepted=[None] * B,
                             draft_tokens=N - 1)
-        free, live, ids, prefix, slots, hidden, ctx = [], [], [], [], [], [], []
+        # what goes back, row by row, built on the host's lists (one tensor, not B slices:
+        # at batch 64 this loop was 0.3 ms of tensor indexing): past the accepted path, or
+        # the whole row of a failed request
+        vl = vslots.tolist()
+        result.free_slots = torch.tensor([s for b in range(B)
+                                          for s in (vl[b][acc[b] + 1:] if good[b] else vl[b])],
+                                         dtype=vslots.dtype)
+        live, ids, prefix, slots, hidden, ctx = [], [], [], [], [], []
         for b, r in enumerate(reqs):
-            if not good[b]:   # fails alone: its verify slots go back
-                free.append(vslots[b])
+            if not good[b]:   # fails alone: its verify slots go back (above)
                 result.failed[b] = True
                 continue
             a = acc[b]
-            free.append(vslots[b, a + 1:])
-            result.kv_advance[b], result.last_slots[b] = a + 1, int(vslots[b, a])
+            result.kv_advance[b], result.last_slots[b] = a + 1, vl[b][a]
             result.accepted[b], result.tokens[b], result.logprobs[b] = a, toks[b][:a + 1], lps[b]
             self._count(a)
             live.append(r)
@@ -278,11 +283,11 @@ class EagleWorker:
                 slots.append(vslots[b, :a + 1])
                 hidden.append(hid[b, :a + 1])
                 ctx.append(r.all_ids + toks[b][:a + 1])
-        result.free_slots = torch.cat(free)
         if window is not None:  # the draft already ran over the window, before the sync
+            roots, feats = window.logits.unbind(0), window.hidden.unbind(0)
             for b, r in enumerate(reqs):
                 if good[b]:
-                    r.draft_state = (window.logits[b], window.hidden[b])
+                    r.draft_state = (roots[b], feats[b])
         elif live:
             self._draft_extend(live, ids, prefix, torch.cat(slots), torch.cat(hidden), ctx)
         return result
