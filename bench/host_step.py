@@ -33,6 +33,7 @@ from eaglekv.cuda_graph import DecodeGraphs  # noqa: E402
 from eaglekv.speculative.drafter import DraftOut  # noqa: E402
 from eaglekv.speculative.graphs import SpecStepGraphs  # noqa: E402
 from helpers import make_tiny, spec, tiny_engine  # noqa: E402
+from host_step_ab import warm  # noqa: E402
 
 
 def stub_decode(graphs: DecodeGraphs, vocab: int) -> None:
@@ -73,12 +74,7 @@ def run(tiny: Path, mode: str, batch: int, steps: int) -> dict:
         w.slots.hold_both = True
         w.step_graphs = SpecStepGraphs(w, batch, progress=False, capture=False)
         stub_spec(w.step_graphs, cfg.vocab_size, cfg.hidden_size)
-    sp = SamplingParams(max_new_tokens=steps * 8, ignore_eos=True)
-    reqs = [e.add_request([5, 17, 42, i % 200 + 1], sp) for i in range(batch)]
-    while any(not r.output_ids for r in reqs):
-        e.step()
-    for _ in range(3):
-        e.step()
+    reqs = warm(e, batch, SamplingParams(max_new_tokens=steps * 8, ignore_eos=True))
     ops = count_ops(e.step)
     t = time.perf_counter()
     n0 = sum(len(r.output_ids) for r in reqs)

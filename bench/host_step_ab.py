@@ -23,6 +23,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 
+def warm(e, batch: int, sp) -> list:
+    """`batch` requests prefilled and decoding (3 steps past the first token): the steps timed
+    next are steady decode steps. Also bench/host_step.py's (this file is self-contained, so
+    it can time an older tree's engine)."""
+    reqs = [e.add_request([5, 17, 42, i % 200 + 1], sp) for i in range(batch)]
+    while any(not r.output_ids for r in reqs):
+        e.step()
+    for _ in range(3):
+        e.step()
+    return reqs
+
+
 def one(batch: int, adaptive: bool, steps: int, tiny: Path) -> float:
     """ms of host time a step, in this process's tree (on sys.path)."""
     import host_step as H
@@ -45,12 +57,7 @@ def one(batch: int, adaptive: bool, steps: int, tiny: Path) -> float:
     if adaptive:
         e.runner.policy.costs = CostTable.fixed({PLAIN: 1.0, CHAIN: 1.0, "S3K1N4": 10.0,
                                                  "S5K1N6": 1.2})
-    sp = SamplingParams(max_new_tokens=steps * 8, ignore_eos=True)
-    reqs = [e.add_request([5, 17, 42, i % 200 + 1], sp) for i in range(batch)]
-    while any(not r.output_ids for r in reqs):
-        e.step()
-    for _ in range(3):
-        e.step()
+    warm(e, batch, SamplingParams(max_new_tokens=steps * 8, ignore_eos=True))
     t = time.perf_counter()
     for _ in range(steps):
         e.step()
