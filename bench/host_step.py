@@ -74,7 +74,7 @@ def run(tiny: Path, mode: str, batch: int, steps: int) -> dict:
         w.slots.hold_both = True
         w.step_graphs = SpecStepGraphs(w, batch, progress=False, capture=False)
         stub_spec(w.step_graphs, cfg.vocab_size, cfg.hidden_size)
-    reqs = warm(e, batch, SamplingParams(max_new_tokens=steps * 8, ignore_eos=True))
+    reqs = warm(e, batch, SamplingParams(max_new_tokens=e.max_context_len - 8, ignore_eos=True))
     ops = count_ops(e.step)
     t = time.perf_counter()
     n0 = sum(len(r.output_ids) for r in reqs)

@@ -24,7 +24,7 @@ from eaglekv.kernels.guard import guard_path
 from eaglekv.runner import ModelRunner, RunnerResources, guarded
 from eaglekv.sampling import apply_penalties, token_logprobs, valid_argmax, valid_probs
 from eaglekv.speculative.accept import greedy_accept, sample_accept
-from eaglekv.speculative.drafter import Drafter
+from eaglekv.speculative.drafter import Drafter, RootRow, stack_roots
 from eaglekv.speculative.draft_loop import (DraftLoop, exponential_noise, processed_probs,
                                             uniform_noise)
 from eaglekv.speculative.slots import DraftSlots
@@ -145,7 +145,7 @@ class EagleWorker:
         out = self.drafter.extend(batch, hidden, contexts if self.drafter.needs_contexts
                                   else None)
         for i, r in enumerate(reqs):
-            r.draft_state = (out.logits[i], None if out.hidden is None else out.hidden[i])
+            r.draft_state = RootRow(out, i)
         self.timings["extend"] += time.perf_counter() - t0
 
     # ---- decode ---------------------------------------------------------------------------------
@@ -160,9 +160,8 @@ class EagleWorker:
         rows = torch.tensor([r.row for r in reqs], device=dev)                     # (B,)
         # 1. draft: slots, req_to_token entries and kv indices, then the select steps
         d = self.slots.prepare_draft(reqs, rows, seq_lens)
-        root_logits = torch.stack([r.draft_state[0] for r in reqs])               # (B, V)
-        root_hidden = (None if reqs[0].draft_state[1] is None
-                       else torch.stack([r.draft_state[1] for r in reqs]))        # (B, H)
+        root_logits = stack_roots(reqs, 0)                                        # (B, V)
+        root_hidden = stack_roots(reqs, 1)                                        # (B, H)
         contexts_of = None
         if self.drafter.needs_contexts:
             contexts_of = lambda paths: [r.all_ids + p for r, pk in zip(reqs, paths.tolist())  # noqa: E731
@@ -284,10 +283,9 @@ class EagleWorker:
                 hidden.append(hid[b, :a + 1])
                 ctx.append(r.all_ids + toks[b][:a + 1])
         if window is not None:  # the draft already ran over the window, before the sync
-            roots, feats = window.logits.unbind(0), window.hidden.unbind(0)
             for b, r in enumerate(reqs):
                 if good[b]:
-                    r.draft_state = (roots[b], feats[b])
+                    r.draft_state = RootRow(window, b)
         elif live:
             self._draft_extend(live, ids, prefix, torch.cat(slots), torch.cat(hidden), ctx)
         return result

@@ -19,7 +19,7 @@ from eaglekv.cuda_graph import CapturedForwards
 from eaglekv.kernels.guard import guard_indices, guard_path
 from eaglekv.sampling import valid_argmax
 from eaglekv.speculative.accept import greedy_accept
-from eaglekv.speculative.drafter import DraftOut
+from eaglekv.speculative.drafter import DraftOut, stack_roots
 from eaglekv.speculative.slots import DraftBatch
 from eaglekv.speculative.tree import build_tree, organize
 
@@ -133,11 +133,7 @@ class SpecStepGraphs(CapturedForwards):
         ds[:n], vs[:n] = dslots.numpy(), vslots.numpy()
         # the host block is not written again before the step's sync: the copy is done then
         self.inputs.copy_(self.host, non_blocking=True)
-        if n == 1:
-            self.root_logits[0].copy_(reqs[0].draft_state[0])
-            self.root_hidden[0].copy_(reqs[0].draft_state[1])
-        else:
-            torch.stack([r.draft_state[0] for r in reqs], out=self.root_logits[:n])
-            torch.stack([r.draft_state[1] for r in reqs], out=self.root_hidden[:n])
+        stack_roots(reqs, 0, self.root_logits[:n])
+        stack_roots(reqs, 1, self.root_hidden[:n])
         host, window = self._replay(b)
         return host[:n], DraftOut(window.logits[:n], window.hidden[:n])

@@ -18,7 +18,7 @@ NUM_PAGES = 12
 # ---- helpers ------------------------------------------------------------------------------------
 def snapshot(a: SlotAllocator):
     """Everything that defines the allocator's state (public numbers and the private books)."""
-    return (a.num_used(), a.free_pages, a.available_slots(), sorted(a._free_pages),
+    return (a.num_used(), a.free_pages, a.available_slots(), sorted(a.free_page_list()),
             a._used.clone(), a._page_count.clone())
 
 
@@ -355,6 +355,34 @@ def test_freed_page_is_reused(ps):
         a.free(s)
         a.check_integrity()
     assert a.is_full()
+
+
+def test_hand_out_order(ps):
+    """A fresh allocator hands out pages 1, 2, 3, ... (a request's slots consecutive); a block
+    freed together comes back next, in its own order, before any page freed earlier."""
+    a = SlotAllocator(NUM_PAGES * ps, ps)
+    first = a.alloc(3 * ps)
+    assert first.tolist() == list(range(ps, 4 * ps))
+    assert a.free_page_list() == list(range(4, NUM_PAGES + 1))
+    second = a.alloc(2 * ps)
+    a.free(first[:ps])                      # page 1
+    a.free(second)                          # pages 4, 5: the newest free block
+    assert a.free_page_list()[:3] == [4, 5, 1]
+    assert a.alloc(2 * ps).tolist() == second.tolist()
+    assert a.alloc_decode([0], [-1]).tolist() == [ps]      # page 1 next
+    a.check_integrity()
+
+
+def test_integrity_catches_a_corrupt_free_stack():
+    """The free pages are a stack of tensors: a duplicate or a page out of range in it, or a
+    count that does not balance, is reported by check_integrity."""
+    for corrupt in (lambda a: a._stack.__setitem__(0, a._stack[1]),
+                    lambda a: a._stack.__setitem__(0, 0),
+                    lambda a: setattr(a, "_top", a._top - 1)):
+        a = SlotAllocator(NUM_PAGES, 1)
+        corrupt(a)
+        with pytest.raises(AllocatorError):
+            a.check_integrity()
 
 
 def test_tail_free_returns_only_whole_pages(ps):
