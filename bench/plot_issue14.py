@@ -1,7 +1,8 @@
 """Plot issue 14's H200 runs side by side: held-out accept length and top-1 over training, and
 eval-draft's acceptance rate per draft position, for the first head (v1: 1.05M tokens, two
-resumed calls), the second (v2: 4.84M tokens, one call) and the third (v3: v2 trained on for
-two more calls on the same data, `--init-from`, steps counted on from v2's).
+resumed calls), the second (v2: 4.84M tokens, one call), the third (v3: v2 trained on for
+two more calls on the same data, `--init-from`, steps counted on from v2's) and the fourth
+(v4: v3 trained on for one more call).
     python bench/plot_issue14.py  ->  bench/results/train_eagle3_h200.png"""
 
 import json
@@ -37,10 +38,15 @@ RUNS = {"v1": (load(["train_eagle3_h200_part1.json", "train_eagle3_h200_part2.js
         "v3": (load(["train_eagle3_h200_v2.json", "train_eagle3_h200_v3a.json",
                      "train_eagle3_h200_v3.json"], (0, 1669, 1669 + 1580)),
                runs_of(json.loads((R / "eval_draft_eagle3_v3_h200.json").read_text()),
+                       "/root/head3")),
+        "v4": (load(["train_eagle3_h200_v2.json", "train_eagle3_h200_v3a.json",
+                     "train_eagle3_h200_v3.json", "train_eagle3_h200_v4.json"],
+                    (0, 1669, 1669 + 1580, 1669 + 1580 + 1427)),
+               runs_of(json.loads((R / "eval_draft_eagle3_v4_h200.json").read_text()),
                        "/root/head3"))}
 
 fig, ax = plt.subplots(1, 3, figsize=(17, 4.8))
-for (name, (run, ev)), style in zip(RUNS.items(), (":", "--", "-")):
+for (name, (run, ev)), style in zip(RUNS.items(), (":", "--", "-.", "-")):
     held, hist, log = run["held"], run["hist"], run["log"]
     steps = sorted(held)
     hist = run["hist"]
@@ -66,7 +72,7 @@ ax[2].set(xlabel="draft position", ylabel="acceptance rate",
           title="eval-draft, 24 held-out prompts, b1, greedy, H200 bf16")
 ax[2].legend(fontsize=7)
 fig.suptitle("EAGLE-3 heads for SmolLM2-135M-Instruct trained here (H200, 2026-12-04): "
-             "v1 02:09 UTC, v2 12:18 UTC, v3 14:48 UTC")
+             "v1 02:09 UTC, v2 12:18 UTC, v3 14:48 UTC, v4 17:00 UTC")
 fig.tight_layout()
 fig.savefig(R / "train_eagle3_h200.png", dpi=90)
 print(R / "train_eagle3_h200.png")
