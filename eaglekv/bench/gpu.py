@@ -75,15 +75,38 @@ def prompts(engine: Engine, B: int) -> list[list[int]]:
     return [base + engine.encode(f" Story {i}.") for i in range(B)]
 
 
-def timed_generate(engine: Engine, ps: list[list[int]], n: int) -> tuple[float, list]:
+def timed_generate(engine: Engine, ps: list[list[int]], n: int) -> tuple[float, list, dict]:
+    """`engine.generate(ps)` timed, step by step: (tokens/s, the token ids, where the time
+    went: the prefill steps (until every request has its first token), the decode steps'
+    count, sum and spread, and the rest (adding the requests, the outputs' detokenization)).
+    Every step ends at a host sync, so a step's wall is its whole cost."""
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
     sync()
     t = time.perf_counter()
-    outs = engine.generate(ps, params)
+    reqs = [engine.add_request(p, params) for p in ps]
+    walls, first = [], None
+    while any(not r.finished for r in reqs):
+        s = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - s)
+        if first is None and all(r.output_ids for r in reqs):
+            first = len(walls)
+    failed = [r for r in reqs if r.error is not None]
+    if failed:
+        raise failed[0].error
+    outs = [r.to_output() for r in reqs]
     sync()
     dt = time.perf_counter() - t
     assert all(len(o.token_ids) == n for o in outs)
-    return len(ps) * n / dt, [o.token_ids for o in outs]
+    first = first or len(walls)
+    decode = sorted(walls[first:]) or [0.0]
+    phases = {"prefill_steps": first, "prefill_ms": 1e3 * sum(walls[:first]),
+              "decode_steps": len(walls) - first, "decode_ms": 1e3 * sum(walls[first:]),
+              "decode_step_ms_p50": 1e3 * decode[len(decode) // 2],
+              "decode_step_ms_p90": 1e3 * decode[int(0.9 * (len(decode) - 1))],
+              "decode_step_ms_max": 1e3 * decode[-1],
+              "other_ms": 1e3 * (dt - sum(walls))}
+    return len(ps) * n / dt, [o.token_ids for o in outs], phases
 
 
 def step_profile(engine: Engine, ps: list[list[int]], steps: int = 5) -> dict:
@@ -137,14 +160,15 @@ def run_modes(args, modes: list[str], batches: list[int]) -> dict:
             for B in batches:
                 if eng.worker is not None:
                     eng.worker.reset_stats()
-                tps, toks[m][B] = timed_generate(eng, ps[B], args.new_tokens)
+                tps, toks[m][B], phases = timed_generate(eng, ps[B], args.new_tokens)
                 runs[m][B].append(tps)
+                stats[m].setdefault(B, {}).setdefault("phases", []).append(phases)
                 if eng.worker is not None:
                     st, w = eng.spec_stats(), eng.worker
                     steps = max(st.verify_steps, 1)
-                    stats[m][B] = {"accept_length_mean": st.accept_length_mean,
-                                   "host_ms_per_verify_step": {k: 1e3 * v / steps
-                                                               for k, v in w.timings.items()}}
+                    stats[m][B].update({"accept_length_mean": st.accept_length_mean,
+                                        "host_ms_per_verify_step": {k: 1e3 * v / steps
+                                                                    for k, v in w.timings.items()}})
                     if st.choices is not None:
                         stats[m][B]["steps_per_choice"] = dict(st.choices)
         if args.out:    # what a round measured, in case a later stage runs out of time

@@ -1,0 +1,32 @@
+"""`eaglekv bench`'s timed generation (eaglekv/bench/gpu.py): the same tokens as
+`Engine.generate`, and a breakdown (prefill steps, decode steps, the rest) that accounts for
+the whole timed wall."""
+
+from __future__ import annotations
+
+import pytest
+
+from eaglekv import SamplingParams
+from eaglekv.bench.gpu import timed_generate
+from helpers import spec, tiny_engine
+
+PROMPTS = [[5, 17, 42], list(range(1, 12)), [9] * 7]
+
+
+@pytest.mark.parametrize("kw", [{}, {"num_scheduler_steps": 4},
+                                {"speculative": spec("eagle", 3, 1, 4)}],
+                         ids=["plain", "chain", "eagle"])
+def test_timed_generate_matches_generate_and_accounts_for_its_time(tiny_dir, kw):
+    n = 9
+    ref = tiny_engine(tiny_dir, **kw).generate(PROMPTS, SamplingParams(max_new_tokens=n,
+                                                                   ignore_eos=True))
+    e = tiny_engine(tiny_dir, **kw)
+    tps, toks, ph = timed_generate(e, PROMPTS, n)
+    assert toks == [o.token_ids for o in ref]
+    assert ph["prefill_steps"] >= 1 and ph["decode_steps"] >= 1
+    total_ms = 1e3 * len(PROMPTS) * n / tps
+    parts = ph["prefill_ms"] + ph["decode_ms"] + ph["other_ms"]
+    assert parts == pytest.approx(total_ms, rel=1e-6)
+    assert 0 <= ph["decode_step_ms_p50"] <= ph["decode_step_ms_p90"] <= ph["decode_step_ms_max"]
+    assert ph["decode_step_ms_max"] <= ph["decode_ms"] + 1e-9
+    e.check_memory()
