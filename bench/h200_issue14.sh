@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 14 on the H200, phases in order, several per call (the machine keeps /root while warm):
 #   bench/h200_issue14.sh gen          # the target writes prompts and answers them -> $R/sg
-#   bench/h200_issue14.sh train        # EAGLE-3 + TTT on $R/sg (resumes $R/ckpt.pt; INIT_FROM=
+#                                      # (GEN_DIR=/root/sg2 SEED=2: a second store beside it)
+#   bench/h200_issue14.sh train        # EAGLE-3 + TTT on $R/sg (DATA_DIR=/root/sg,/root/sg2:
+#                                      # several stores; resumes $R/ckpt.pt; INIT_FROM=
 #                                      # eaglekv/drafts/smollm2-135m-instruct-eagle3 goes on
 #                                      # from the shipped head)
 #   bench/h200_issue14.sh eval         # eval-draft of $R/head3 on the held-out prompts, b1
@@ -33,17 +35,20 @@ for phase in "$@"; do
   echo "== $phase $(date -u +%T)"
   case "$phase" in
     gen)
-      python3 -m eaglekv.cli train-draft gen-data --model "$M" --out $R/sg --device "$DEV" \
+      G=${GEN_DIR:-$R/sg}
+      python3 -m eaglekv.cli train-draft gen-data --model "$M" --out "$G" --device "$DEV" \
         --budget "${GEN_BUDGET:-280}" --n-prompts "${N_PROMPTS:-40000}" --max-new "${MAX_NEW:-256}" \
         --greedy-frac "${GREEDY_FRAC:-0.5}" --write-frac "${WRITE_FRAC:-0.5}" --seed "${SEED:-0}" \
         --no-progress > "$OUT/gen.log" 2>&1
       echo "rc=$?"; tail -4 "$OUT/gen.log"
       # the shards come back too (uint16 ids, ~10 MB for 3.6M response tokens): the machine may
       # be gone by the next call, and then the training call carries them in (DATA_DIR)
-      mkdir -p "$OUT/sg" && cp $R/sg/manifest.json $R/sg/data-*.safetensors "$OUT/sg/"
+      mkdir -p "$OUT/sg" && cp "$G"/manifest.json "$G"/data-*.safetensors "$OUT/sg/"
       ;;
     train)
-      python3 -m eaglekv.cli train-draft train --algorithm eagle3 --model "$M" --data-dir "${DATA_DIR:-$R/sg}" \
+      dirs=(); IFS=, read -ra ds <<< "${DATA_DIR:-$R/sg}"
+      for d in "${ds[@]}"; do dirs+=(--data-dir "$d"); done
+      python3 -m eaglekv.cli train-draft train --algorithm eagle3 --model "$M" "${dirs[@]}" \
         --out $R/head3 --ckpt $R/ckpt.pt ${RESUME:+--resume} --device "$DEV" \
         ${INIT_FROM:+--init-from "$INIT_FROM"} \
         --train-budget "${TRAIN_TOTAL:-480}" --deadline "${DEADLINE:-270}" --lr "${LR:-6e-4}" \

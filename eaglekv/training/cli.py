@@ -42,12 +42,14 @@ def cmd_prompts(args) -> None:
 
 
 def stored_seqs(args) -> list[dict]:
-    """Sequences made earlier: `--data` (save_seqs) or `--data-dir` (gen-data)."""
+    """Sequences made earlier: `--data` (save_seqs) or `--data-dir` (gen-data; every store
+    given, in order: their held-out sequences stay held out, since gen-data holds out the same
+    topics whatever its seed)."""
     if args.data:
         return load_seqs(args.data)
     if args.data_dir:
         from eaglekv.training.seqstore import load_gen_data
-        return load_gen_data(args.data_dir, "all")
+        return [s for d in args.data_dir for s in load_gen_data(d, "all")]
     raise SystemExit("train --algorithm eagle3 needs --data or --data-dir (sequences made by "
                      "`eaglekv train-draft gen-data`)")
 
@@ -83,8 +85,9 @@ def cmd_train(args, command_line: str | None = None) -> None:
     # 1. data
     if args.data or args.data_dir:
         seqs = stored_seqs(args)
-        out(f"reusing {len(seqs)} sequences from {args.data or args.data_dir}")
-        log["data_source"] = args.data or args.data_dir
+        source = args.data or ", ".join(args.data_dir)
+        out(f"reusing {len(seqs)} sequences from {source}")
+        log["data_source"] = source
         prompts = []
     else:
         prompts = json.loads(Path(args.prompts).read_text())[:args.max_prompts]
@@ -204,7 +207,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--chain-steps", type=int, default=3)
     b.add_argument("--seed", type=int, default=0)
     e = b.add_argument_group("eagle3")
-    e.add_argument("--data-dir", default=None, help="sequences written by `gen-data`")
+    e.add_argument("--data-dir", action="append", default=None,
+                   help="sequences written by `gen-data` (repeat it to train on several "
+                        "stores, e.g. two gen-data runs with different seeds)")
     e.add_argument("--draft-vocab", type=int, default=16384, help="draft vocabulary size")
     e.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll")
     e.add_argument("--ckpt", default=None, help="trainer state, saved every 2 min and at the end")

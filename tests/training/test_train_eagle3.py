@@ -214,21 +214,26 @@ def test_ttt_loss_masks_prompt_and_padding(setup):
     assert ok.shape == (1, 3, ids.shape[1] - 1)
 
 
+@pytest.mark.parametrize("stores", [1, 2])
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
-def test_train_draft_cli_on_gen_data(setup, tmp_path, algorithm):
-    """`train-draft train --algorithm {eagle,eagle3} --data-dir` on a gen-data store: the
-    sequences flagged held-out are never trained on, and the saved head loads in the engine's
-    format for its family."""
+def test_train_draft_cli_on_gen_data(setup, tmp_path, algorithm, stores):
+    """`train-draft train --algorithm {eagle,eagle3} --data-dir` on a gen-data store, or on two
+    (`--data-dir A --data-dir B`: every sequence of both): the sequences flagged held-out are
+    never trained on, and the saved head loads in the engine's format for its family."""
     import json
     from eaglekv.model.draft_checkpoint import load_eagle_draft
     from eaglekv.training.cli import main
     from eaglekv.training.seqstore import save_gen_data
     path, model, cfg, data = setup
     seqs = [{**s, "kind": "chat", "held_out": i % 5 == 0} for i, s in enumerate(data.seqs)]
-    save_gen_data(tmp_path / "sg", seqs, {"command": "test"})
+    cut = [0, len(seqs) // 3, len(seqs)] if stores == 2 else [0, len(seqs)]
+    dirs = []
+    for k in range(stores):
+        dirs += ["--data-dir", str(tmp_path / f"sg{k}")]
+        save_gen_data(tmp_path / f"sg{k}", seqs[cut[k]:cut[k + 1]], {"command": "test"})
     out, log = tmp_path / "head", tmp_path / "log.json"
-    assert main(["train", "--algorithm", algorithm, "--model", str(path), "--data-dir",
-                 str(tmp_path / "sg"), "--out", str(out), "--device", "cpu", "--max-steps", "3",
+    assert main(["train", "--algorithm", algorithm, "--model", str(path), *dirs,
+                 "--out", str(out), "--device", "cpu", "--max-steps", "3",
                  "--max-tokens", "256", "--warmup", "2", "--draft-vocab", "64", "--ttt-steps", "2",
                  "--log", str(log)]) == 0
     rec = json.loads(log.read_text())
