@@ -18,6 +18,12 @@ decode graphs), i.e. the step's seconds / k. Each cell is explored the first tim
 needed, then kept as an exponential average and cached on disk per device, model, dtype and
 draft (`$EAGLEKV_CACHE/costs/`), so a later engine starts informed.
 
+A shape of depth S observes positions 1..S only. The positions past S keep their conditional
+rate (rate[j] / rate[S], what they last showed relative to position S) and follow rate[S]
+as it moves: without that, a request that ran a shallow shape while its acceptance rose would
+judge the deeper shapes by the rates of its worse past, and stay shallow (a CPU run at batch 4
+stayed at S1 for 60 of 66 steps with rate[1] = 1.0 while S5 accepts 4.4 there).
+
 Every request starts optimistic about its own acceptance: each draft position adds
 `optimism / sqrt(1 + drafts of this request observed there)` to its expected gain, so a new
 request tries the deeper shapes until its own drafts have measured them, whatever the
@@ -218,18 +224,22 @@ class AdaptivePolicy:
     and then, ever more rarely. `optimism`: a request's expected gain under a shape gets, per
     draft position, `optimism / sqrt(1 + n)` more while n of its own drafts at that depth
     have been observed, so a few unlucky first drafts cannot switch speculation off for good,
-    and a deeper shape is measured on each request before it is judged."""
+    and a deeper shape is measured on each request before it is judged. A speculative step of
+    depth S ages what the request saw deeper than S: those counts shrink by `forget` a step,
+    so the optimism about depths not drafted lately grows back and a shallow shape cannot
+    keep the deeper ones out on old evidence (they are measured again now and then)."""
 
     def __init__(self, shapes: list[Shape], costs: CostTable, prior: float = 0.7,
                  alpha: float = 0.3, alpha_engine: float = 0.05, alpha_prior: float = 0.01,
                  beta: float = 0.1, max_wait: int = 64, optimism: float = 0.5,
-                 step_weight: int = 8):
+                 step_weight: int = 8, forget: float = 0.1):
         self.shapes = list(shapes)
         self.depth = D = max(s.S for s in shapes)
         self.costs = costs
         self.alpha, self.alpha_engine, self.alpha_prior, self.beta = (alpha, alpha_engine,
                                                                       alpha_prior, beta)
         self.max_wait, self.optimism, self.step_weight = max_wait, optimism, step_weight
+        self.forget = forget
         self.alpha_slow = 0.05
         start = prior ** np.arange(1, D + 1)
         self.engine_rates = start.copy()
@@ -499,7 +509,14 @@ class AdaptivePolicy:
             ratio = float(np.minimum(a[ok] / est[ok], 4.0).mean())
             self.corr[shape] += (1 - 0.98 ** min(int(ok.sum()), w)) * (ratio - self.corr[shape])
         x = (a[:, None] >= np.arange(1, S + 1)[None, :]).astype(np.float64)   # (m, S)
+        last = self.rates[rows, S - 1].copy()
         self.rates[rows, :S] += self.alpha * (x - self.rates[rows, :S])
+        if S < self.depth:   # the positions this shape does not reach follow its last one,
+            self.nobs[rows, S:] *= 1 - self.forget    # and what they showed ages
+            r = self.rates[rows]
+            scale = np.where(last > 0.05, r[:, S - 1] / np.maximum(last, 0.05), 1.0)
+            r[:, S:] = np.minimum(r[:, S:] * scale[:, None], r[:, S - 1:S])
+            self.rates[rows] = r
         self.slow[rows, :S] += self.alpha_slow * (x - self.slow[rows, :S])
         self.nobs[rows, :S] += 1
         mean = x.mean(0)
@@ -518,6 +535,7 @@ class AdaptivePolicy:
         rates, slow, nobs = self.rates[row], self.slow[row], self.nobs[row]
         ge = 1 - (1 - self.alpha_engine) ** 1
         gp = 1 - (1 - self.alpha_prior) ** 1
+        last = float(rates[S - 1])
         for i in range(S):
             x = 1.0 if a >= i + 1 else 0.0
             rates[i] += self.alpha * (x - rates[i])
@@ -525,6 +543,12 @@ class AdaptivePolicy:
             nobs[i] += 1
             self.engine_rates[i] += ge * (x - self.engine_rates[i])
             self.prior[i] += gp * (x - self.prior[i])
+        if S < self.depth:   # as observe_spec: the deeper positions follow position S
+            top = float(rates[S - 1])
+            scale = top / max(last, 0.05) if last > 0.05 else 1.0
+            for i in range(S, self.depth):
+                rates[i] = min(rates[i] * scale, top)
+                nobs[i] *= 1 - self.forget
         self.seen = max(self.seen, S)
 
     # ---- saying why ----------------------------------------------------------------------------

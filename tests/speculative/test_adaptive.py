@@ -401,10 +401,34 @@ def test_a_deeper_shape_is_judged_by_the_observed_fall_off():
         p.observe_spec([r], S3, [3])
     p.optimism = 0.0
     rates = p.state(r).rates
-    assert rates[3] == pytest.approx(0.7 ** 4) and p.seen == 3       # never observed
+    # never observed: it kept its conditional rate (the prior's 0.7) and followed rate[3]
+    assert rates[3] == pytest.approx(0.7 * rates[2]) and p.seen == 3
     deep = p.expected(rates, Shape(5, 1, 6))
     assert deep == pytest.approx(p.expected(rates, S3) + 2 * rates[2], rel=0.05)
     assert p.choose([r]).shape == Shape(5, 1, 6)
+
+
+@pytest.mark.parametrize("scalar", [True, False])
+def test_a_shallow_shape_does_not_lock_the_deep_ones_out(scalar):
+    """A request whose drafts all failed early, then ran S1 while its acceptance rose: the
+    positions S1 does not reach follow position 1 (keeping what they showed relative to it),
+    so S5 is judged by today's acceptance and chosen again; frozen at their old values they
+    would keep it on S1 for good (issue 15's CPU run at batch 4: S1 in 60 of 66 steps)."""
+    S1, S5 = Shape(1, 1, 2), Shape(5, 1, 6)
+    p = policy({PLAIN: 1.0, S1.label: 1.3, S5.label: 2.0}, shapes=(S1, S5))
+    p.scalar_one = scalar
+    r = FakeReq()
+    for _ in range(6):
+        p.observe_spec([r], S5, [0])           # a bad start: every draft rejected
+    low = p.state(r).rates.copy()
+    for _ in range(40):
+        p.observe_spec([r], S1, [1])           # then position 1 always accepted
+    rates = p.state(r).rates
+    assert rates[0] > 0.99
+    # deep rates moved with position 1 (in proportion), and stay non-increasing
+    assert (rates[1:] > low[1:]).all() and (np.diff(rates) <= 1e-12).all()
+    assert p.expected(rates, S5) > 2.5          # frozen: about 1.1
+    assert p.choose([r]).shape == S5
 
 
 def test_acceptance_is_saved_beside_the_costs_and_restored(tmp_path):
