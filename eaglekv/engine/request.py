@@ -32,7 +32,8 @@ class Req:
     preempted: bool = False            # waiting again after a preemption: admitted first
     text: str = ""
     tokenizer: object = None
-    draft_state: tuple | None = None   # speculative: the draft's (logits, hidden) at the root
+    draft_state: object = None         # speculative: the draft's root ([0] logits, [1] hidden:
+                                       # a RootRow or a tuple), or the adaptive worker's Lag
     spec_stats: SpecStats | None = None
     _sent_text: int = 0
     _sent_tokens: int = 0
@@ -79,6 +80,8 @@ class Req:
         """Append tokens one by one until a stop rule fires; returns how many were kept.
         `logprobs` (TokenLogprob per token, when the request asked) is kept alongside."""
         p = self.params
+        if logprobs is None and not p.stop:
+            return self._append_plain(tokens)
         kept = 0
         for t in tokens:
             self.output_ids.append(t)
@@ -94,6 +97,26 @@ class Req:
             if self.finished:
                 break
         return kept
+
+    def _append_plain(self, tokens: list[int]) -> int:
+        """append_tokens without stop strings or logprobs, in a few list operations (a step
+        of a batch-64 speculative run appends to 64 requests): the first token that is a
+        stop token or reaches max_new_tokens ends it, a stop token winning a tie, as the
+        token-by-token loop decides."""
+        p = self.params
+        stops = p.stop_token_ids if p.ignore_eos else self.eos_ids.union(p.stop_token_ids)
+        end, reason = len(tokens), None
+        for k, t in enumerate(tokens):
+            if t in stops:
+                end, reason = k + 1, "stop"
+                break
+        room = max(p.max_new_tokens - len(self.output_ids), 1)
+        if room < end or (room == end and reason is None):
+            end, reason = room, "length"
+        self.output_ids.extend(tokens[:end])
+        if reason is not None:
+            self.finish_reason = reason
+        return end
 
     def _hit_stop_string(self) -> bool:
         old_len = len(self.text)

@@ -1,0 +1,31 @@
+"""Req.append_tokens' list fast path (no stop strings, no logprobs) against the token-by-token
+loop it replaces, over random token runs, stop sets, limits and lengths so far."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eaglekv.config import SamplingParams
+from eaglekv.engine.request import Req
+
+TOK = st.integers(0, 12)
+
+
+def req(params: SamplingParams, done: list[int]) -> Req:
+    return Req(rid=0, prompt_ids=[1, 2], params=params, generator=torch.Generator(),
+               eos_ids=frozenset({0, 3}), output_ids=list(done))
+
+
+@settings(max_examples=400, deadline=None)
+@given(tokens=st.lists(TOK, max_size=9), done=st.lists(TOK, max_size=6),
+       max_new=st.integers(1, 12), stop_ids=st.lists(TOK, max_size=3), ignore_eos=st.booleans())
+def test_fast_path_equals_the_token_loop(tokens, done, max_new, stop_ids, ignore_eos):
+    p = SamplingParams(max_new_tokens=max_new, stop_token_ids=stop_ids, ignore_eos=ignore_eos)
+    fast, loop = req(p, done), req(p, done)
+    kept = fast.append_tokens(tokens)
+    want = loop.append_tokens(tokens, [None] * len(tokens))     # logprobs: the loop
+    assert kept == want
+    assert fast.output_ids == loop.output_ids
+    assert fast.finish_reason == loop.finish_reason
