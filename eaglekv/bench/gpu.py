@@ -15,9 +15,11 @@ size, one line per mode) go to --out (a directory).
 
 from __future__ import annotations
 
+import cProfile
 import datetime
 import json
 import os
+import pstats
 import statistics
 import time
 
@@ -111,7 +113,7 @@ def timed_generate(engine: Engine, ps: list[list[int]], n: int) -> tuple[float, 
 
 def step_profile(engine: Engine, ps: list[list[int]], steps: int = 5) -> dict:
     """Kernels and device time per engine step while every request decodes."""
-    # enough for 3 + 2 * steps engine steps of the longest decode chain (32 tokens each)
+    # enough for 3 + 3 * steps engine steps of the longest decode chain (32 tokens each)
     params = SamplingParams(max_new_tokens=512, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in ps]
     while any(len(r.output_ids) < 3 for r in reqs):
@@ -131,6 +133,12 @@ def step_profile(engine: Engine, ps: list[list[int]], steps: int = 5) -> dict:
         for _ in range(steps):
             engine.step()
         sync()
+    cp = cProfile.Profile()
+    cp.enable()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    cp.disable()
     for r in reqs:
         engine.abort(r)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -139,7 +147,21 @@ def step_profile(engine: Engine, ps: list[list[int]], steps: int = 5) -> dict:
             "kernels_per_target_layer": len(kernels) / steps / layers,
             "device_ms_per_step": sum(e.device_time for e in kernels) / 1e3 / steps,
             "host_wall_ms_per_step": 1e3 * statistics.median(walls),
-            "tokens_per_request_per_step": per_step}
+            "tokens_per_request_per_step": per_step,
+            "host_top": host_top(cp, steps)}
+
+
+def host_top(cp: cProfile.Profile, steps: int, n: int = 25) -> list[dict]:
+    """The n Python functions with the most self time a step under cProfile (which slows
+    Python calls, so the figures rank the host work more than they time it); a device wait
+    shows as the self time of the call that syncs (e.g. `tolist`)."""
+    rows = []
+    for (path, line, name), (_, calls, self_s, cum_s, _) in pstats.Stats(cp).stats.items():
+        where = path.split("eaglekv/", 1)[-1] if "eaglekv/" in path else os.path.basename(path)
+        rows.append({"function": f"{where}:{line}({name})", "calls_per_step": calls / steps,
+                     "self_ms_per_step": 1e3 * self_s / steps,
+                     "cum_ms_per_step": 1e3 * cum_s / steps})
+    return sorted(rows, key=lambda r: -r["self_ms_per_step"])[:n]
 
 
 def run_modes(args, modes: list[str], batches: list[int]) -> dict:

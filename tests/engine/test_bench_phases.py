@@ -30,3 +30,19 @@ def test_timed_generate_matches_generate_and_accounts_for_its_time(tiny_dir, kw)
     assert 0 <= ph["decode_step_ms_p50"] <= ph["decode_step_ms_p90"] <= ph["decode_step_ms_max"]
     assert ph["decode_step_ms_max"] <= ph["decode_ms"] + 1e-9
     e.check_memory()
+
+
+def test_step_profile_ranks_the_host_work(tiny_dir):
+    """The bench's step profile (CUDA rows) also ranks where a step's host time goes: the
+    engine's own functions appear, with their calls a step."""
+    from eaglekv.bench.gpu import step_profile
+    e = tiny_engine(tiny_dir, speculative=spec("eagle", 3, 1, 4), max_context_len=1024,
+                    max_total_tokens=4096)
+    prof = step_profile(e, PROMPTS, steps=3)
+    top = prof["host_top"]
+    assert 0 < len(top) <= 25
+    assert all(r["self_ms_per_step"] >= 0 and r["calls_per_step"] > 0 for r in top)
+    assert top == sorted(top, key=lambda r: -r["self_ms_per_step"])
+    assert any("engine.py" in r["function"] or "speculative/" in r["function"] for r in top)
+    e.check_memory()
+    assert e.allocator.is_full()
