@@ -188,6 +188,9 @@ def extend_attention_torch(q, k_buffer, v_buffer, table, kv_start, prefix_len, e
         if q0[b] < 0 or q0[b] + e > q.shape[0]:
             raise ValueError(f"extend_attention: queries [{q0[b]}, {q0[b] + e}) of request {b} "
                              f"outside q of {q.shape[0]} tokens")
+        if b + 1 < B and q0[b] < q0[b + 1] < q0[b] + e:   # the Triton kernel stops there
+            raise ValueError(f"extend_attention: queries [{q0[b]}, {q0[b] + e}) of request {b} "
+                             f"run into request {b + 1}'s, which start at {q0[b + 1]}")
         t = torch.arange(e, device=q.device)
         if mask is None:
             window = t[None, :] <= t[:, None]                          # (e, e) causal

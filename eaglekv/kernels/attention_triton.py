@@ -196,11 +196,12 @@ def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, o_s0, o_s1, o_s2, H: tl.const
              mask=d < D)
 
 
-@triton.jit(do_not_specialize=["call_id", "size_limit", "n_table", "n_mask", "n_q"])
+@triton.jit(do_not_specialize=["call_id", "size_limit", "n_table", "n_mask", "n_q", "n_req",
+                                "max_ext"])
 def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_ptr, ext_ptr,
                    qstart_ptr, mask_ptr, err_ptr, call_id, size_limit, n_table, qk_scale,
                    q_s0, q_s1, q_s2, o_s0, o_s1, o_s2, k_s0, k_s1, v_s0, v_s1,
-                   m_s0, m_s1, m_s2, n_mask, n_q,
+                   m_s0, m_s1, m_s2, n_mask, n_q, n_req, max_ext,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CUSTOM: tl.constexpr,
                    F32DOT: tl.constexpr):
@@ -209,7 +210,10 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
     j = pos - prefix (j < extend_len) with j <= t (causal) or mask[b, t, j] | (j == t).
     Bad slots and positions outside the table are reported by kv head 0 of the request's last
     query block in the grid, which reads every key any of its blocks reads (all of
-    pos < prefix + extend_len, unless a corrupt extend_len passes the grid's max_extend)."""
+    pos < prefix + extend_len, unless a corrupt extend_len passes the grid's max_extend).
+    A request reads and writes only its own query rows: q_start + t for t < min(extend_len,
+    max_ext), below the next request's q_start (when q_start increases, as a flat batch's
+    does) and below n_q, so a corrupt extend_len cannot write another request's output."""
     b = tl.program_id(0).to(tl.int64)
     mb = tl.program_id(1).to(tl.int64)
     kvh = tl.program_id(2).to(tl.int64)
@@ -223,7 +227,9 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
     t = mb * BLOCK_M + r // GP                                         # (M,) query in request
     g = r % GP
     h = kvh * G + g
-    rows_in_q = (q0 + t >= 0) & (q0 + t < n_q)                         # bad q_start: no access
+    q_next = tl.load(qstart_ptr + tl.minimum(b + 1, n_req - 1)).to(tl.int64)
+    q_end = tl.where((b + 1 < n_req) & (q_next > q0), tl.minimum(q_next, n_q), n_q)
+    rows_in_q = (q0 + t >= 0) & (q0 + t < q_end) & (t < max_ext)       # its own rows only
     rmask = (t < ext) & (g < G) & rows_in_q
     d = tl.arange(0, DP)
     dmask = d < D
@@ -369,7 +375,7 @@ def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, 
         q, k_buffer, v_buffer, out, table, kv_start, prefix_len, extend_len, q_start, mk,
         guard.err, call_id, size_limit, table.numel(), scale * _LOG2E, *q.stride(),
         *out.stride(), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
-        v_buffer.stride(1), *ms, mask.shape[1] if custom else 0, T,
+        v_buffer.stride(1), *ms, mask.shape[1] if custom else 0, T, B, max_extend,
         G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m, BLOCK_N=block_n, CUSTOM=custom,
         F32DOT=_f32_dot(q.dtype), num_warps=8 if block_m * GP >= 128 else 4)
     guard.after_launch()

@@ -524,6 +524,42 @@ def test_decode_kv_indices_segment_past_buffer():
                                                                          n, n, 5))   # 4 + 1
 
 
+def test_extend_writes_only_its_own_rows():
+    """A corrupt extend_len never writes another request's output rows, whatever order the
+    programs run in (on the H200 the test below lost request 2's rows to request 1's
+    extend_len of 1000, a race the interpreter's in-order grid hides): rows past the next
+    request's q_start, and past the grid's max_extend, keep what `out` held."""
+    g = torch.Generator().manual_seed(5)
+    pre, true_ext = [5, 3], [10, 0]
+    table, start, rows = paged_table([pre[0] + 40, pre[1] + 4], 1, g)
+    kb, vb = kv_buffers(rows, 3, 64, torch.float32, g)
+    q = torch.randn(53, 9, 64, generator=g)
+    q0 = torch.tensor([0, 10])
+    ref = extend_attention_torch(q, kb, vb, table, start, torch.tensor(pre),
+                                 torch.tensor(true_ext), q0, 0.125, size_limit=rows)
+    sentinel = torch.full_like(q, 7.0)
+    # request 0's extend_len 40 (in its table, so nothing to report) runs into request 1's
+    # rows [10, 53): request 1 has no query this step, and its rows must keep the sentinel
+    out = extend_attention(*to_dev(q, kb, vb, table, start, torch.tensor(pre),
+                                   torch.tensor([40, 0]), q0), 0.125, size_limit=rows,
+                           max_extend=45, out=sentinel.clone().to(DEV))
+    close(out[:10], ref[:10], torch.float32)               # causal: rows < 10 see j <= t only
+    assert torch.equal(out[10:].cpu(), sentinel[10:])
+    with pytest.MonkeyPatch.context() as mp:                  # the torch path refuses it
+        mp.setenv("EAGLEKV_TRITON_ON_CPU", "0")
+        with pytest.raises(ValueError, match=r"queries \[0, 40\) of request 0 run into request "
+                                             r"1's, which start at 10"):
+            extend_attention(q, kb, vb, table, start, torch.tensor(pre), torch.tensor([40, 0]),
+                             q0, 0.125, size_limit=rows)
+    # one request, extend_len 1000 past the grid's 45 rows (and past its table: reported)
+    out = _raises_in_step(
+        lambda: extend_attention(*to_dev(q, kb, vb, table, start[:1], torch.tensor(pre[:1]),
+                                         torch.tensor([1000]), q0[:1]), 0.125,
+                                 size_limit=rows, max_extend=45, out=sentinel.clone().to(DEV)),
+        r"extend_attention table position")
+    assert torch.equal(out[45:].cpu(), sentinel[45:])
+
+
 @pytest.mark.parametrize("mask", [False, True])
 @pytest.mark.parametrize("case", ["prefix_past_end", "start_negative", "extend_past_grid"])
 def test_extend_table_position_outside(case, mask):
