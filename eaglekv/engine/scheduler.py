@@ -55,14 +55,15 @@ class Scheduler:
         self._admit()
         if not self.runner.separate_decode:
             return self._plan_extend(self._chunk(list(self.running)))
-        fresh = [r for r in self.running if not self.runner.can_decode(r)]
-        ready = len(fresh) < len(self.running)
-        if fresh and not (ready and self._prefilled_last):
+        can = self.runner.can_decode
+        ready = [r for r in self.running if can(r)]
+        if len(ready) < len(self.running) and not (ready and self._prefilled_last):
             self._prefilled_last = True    # prefill and decode steps alternate
-            return self._plan_extend(self._chunk(fresh))
+            return self._plan_extend(self._chunk([r for r in self.running if not can(r)]))
         self._prefilled_last = False
-        self._reserve()
-        return StepPlan("decode", [r for r in self.running if self.runner.can_decode(r)])
+        if self._reserve():                # preempted some: the ready list changed
+            ready = [r for r in self.running if can(r)]
+        return StepPlan("decode", ready)
 
     def commit(self, plan: StepPlan, result: StepResult) -> list[Req]:
         if result.free_slots is not None and result.free_slots.numel():
@@ -106,6 +107,8 @@ class Scheduler:
     def _admit(self) -> None:
         """Fill free rows from `waiting` in the fairness order (fairness.py); stop at the first
         request chosen that does not fit in the KV pool beside the running ones' next steps."""
+        if not self.waiting:
+            return
         ps = self.config.page_size
         per_group = Counter(r.group for r in self.running)
         while self.waiting and self.req_to_token.free_rows:
@@ -192,13 +195,17 @@ class Scheduler:
                     raise
                 self.preempt(victims[-1])
 
-    def _reserve(self) -> None:
+    def _reserve(self) -> bool:
         """Make sure every running request's decode step fits: preempt the newest until the
-        free pages cover the sum of their peaks, so no allocation inside the step can fail."""
+        free pages cover the sum of their peaks, so no allocation inside the step can fail.
+        -> whether it preempted any."""
+        preempted = False
         while len(self.running) > 1 and (sum(self.runner.step_pages(r.kv_len)
                                              for r in self.running)
                                          > self.allocator.free_pages):
             self.preempt(self.running[-1])
+            preempted = True
+        return preempted
 
     # ---- freeing ---------------------------------------------------------------------------------
     def release(self, req: Req, after_error: bool = False) -> None:

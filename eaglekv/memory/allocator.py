@@ -9,6 +9,7 @@ is in use any more. Freeing a slot twice, or one never handed out, raises `Alloc
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from eaglekv.errors import AllocatorError, ConfigError, OutOfKVMemoryError
@@ -25,15 +26,17 @@ class SlotAllocator:
         self.num_pages = size // page_size
         # pages 1..num_pages are real; page 0 is the padding page
         # the free pages as a stack: `_stack[:_top]`, the next page handed out at the top (the
-        # end). Pops and pushes are tensor slices, so a speculative step's hundreds of draft
-        # and verify slots cost a few ops at any batch (a heap cost one Python call per page,
-        # ~0.5 ms a step at batch 64). A fresh allocator hands out pages 1, 2, 3, ...; a block
-        # freed together comes back in its own order, so a request's pages stay consecutive
-        # whenever they can (its K/V then read as one slice instead of a gather).
-        self._stack = torch.arange(self.num_pages, 0, -1, dtype=torch.int64)
+        # end). Pops and pushes are slices, so a speculative step's hundreds of draft and verify
+        # slots cost a few ops at any batch. A fresh allocator hands out pages 1, 2, 3, ...; a
+        # block freed together comes back in ascending order, so a request's pages stay
+        # consecutive whenever they can (its K/V then read as one slice instead of a gather).
+        # The books are numpy arrays: an op costs ~1 us where a torch op on a CPU tensor costs
+        # 10-20 us on the H200's host (its profile of an S5 step at batch 1: `free` 0.47 ms of
+        # a 2.6 ms step with torch tensors). Slots go in and out as torch int64 tensors.
+        self._stack = np.arange(self.num_pages, 0, -1, dtype=np.int64)
         self._top = self.num_pages
-        self._used = torch.zeros(size + page_size, dtype=torch.bool)       # per slot
-        self._page_count = torch.zeros(self.num_pages + 1, dtype=torch.int64)  # used slots per page
+        self._used = np.zeros(size + page_size, dtype=np.bool_)              # per slot
+        self._page_count = np.zeros(self.num_pages + 1, dtype=np.int64)   # used slots per page
         self.owners = None     # memory/ownership.SlotOwners in the checked mode, else None
 
     # ---- queries -------------------------------------------------------------------------------
@@ -43,18 +46,18 @@ class SlotAllocator:
 
     def free_page_list(self) -> list[int]:
         """The free pages, in the order they will be handed out."""
-        return self._stack[:self._top].flip(0).tolist()
+        return self._stack[:self._top][::-1].tolist()
 
     def available_slots(self) -> int:
         """Slots in wholly free pages (what a new request can count on)."""
         return self._top * self.page_size
 
     def num_used(self) -> int:
-        return int(self._used.sum())
+        return int(np.count_nonzero(self._used))
 
     def used_slots(self) -> torch.Tensor:
         """Every slot currently handed out, int64 (sorted)."""
-        return self._used.nonzero().view(-1)
+        return torch.from_numpy(np.flatnonzero(self._used).astype(np.int64))
 
     def pages_needed(self, seq_len: int, n: int) -> int:
         """New pages a request of `seq_len` committed slots needs to grow by `n` tokens."""
@@ -81,24 +84,20 @@ class SlotAllocator:
                 raise AllocatorError(f"last_slot={last_slot} is not the in-use slot of position "
                                      f"{seq_len - 1} (seq_len={seq_len}, page_size={ps})")
             in_last = min(n, ps - seq_len % ps)
-            tail = torch.arange(last_slot + 1, last_slot + 1 + in_last)
+            tail = np.arange(last_slot + 1, last_slot + 1 + in_last)
             if self._used[tail].any():
                 raise AllocatorError(f"slot {int(tail[self._used[tail]][0])} after last_slot="
                                      f"{last_slot} is already in use")
-        slots = torch.empty(n, dtype=torch.int64)
+        slots = np.empty(n, dtype=np.int64)
         if in_last:
             slots[:in_last] = tail
         rest = n - in_last
         if rest:  # whole free pages: nothing in them is in use, so nothing can fail after this
             pages = self._pop(need_pages)
             # (need_pages, ps) -> flat, first `rest` of them
-            page_slots = (pages[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)
+            page_slots = (pages[:, None] * ps + np.arange(ps)[None, :]).reshape(-1)
             slots[in_last:] = page_slots[:rest]
-        self._used[slots] = True
-        self._page_count.index_add_(0, slots // ps, torch.ones_like(slots))
-        if self.owners is not None:
-            self.owners.on_alloc(slots)
-        return slots
+        return self._take(slots)
 
     def alloc_rows(self, count: int, n: int) -> torch.Tensor:
         """Page size 1: n slots for each of `count` requests, as int64 `(count, n)`, all or
@@ -111,12 +110,7 @@ class SlotAllocator:
         m = count * n
         if m > self._top:
             raise OutOfKVMemoryError(m, self.available_slots(), self.size)
-        slots = self._pop(m)
-        self._used[slots] = True
-        self._page_count[slots] = 1
-        if self.owners is not None:
-            self.owners.on_alloc(slots)
-        return slots.view(count, n)
+        return self._take(self._pop(m)).view(count, n)
 
     def alloc_decode(self, seq_lens: list[int], last_slots: list[int]) -> torch.Tensor:
         """One slot each for n requests' next token, as int64 `[n]`, all or nothing: what
@@ -124,66 +118,80 @@ class SlotAllocator:
         vector ops instead of n calls. Raises OutOfKVMemoryError (nothing taken) when the
         new pages do not fit."""
         ps, n = self.page_size, len(seq_lens)
-        seq = torch.tensor(seq_lens, dtype=torch.int64)                        # (n,)
+        seq = np.asarray(seq_lens, dtype=np.int64)                             # (n,)
         fresh = seq % ps == 0                                                  # needs a page
-        k = int(fresh.sum())
+        k = int(np.count_nonzero(fresh))
         if k > self._top:
             raise OutOfKVMemoryError(k * ps, self.available_slots(), self.size)
-        slots = torch.empty(n, dtype=torch.int64)
+        slots = np.empty(n, dtype=np.int64)
         if k < n:   # the others continue in their last page, right after last_slot
-            last = torch.tensor(last_slots, dtype=torch.int64)[~fresh]
+            last = np.asarray(last_slots, dtype=np.int64)[~fresh]
             want = last + 1
             bad = ((last < ps) | (last >= self.size + ps) | (last % ps != (seq[~fresh] - 1) % ps))
             if not bad.any():
                 bad = ~self._used[last] | self._used[want]
             if bad.any():
-                i = int(bad.nonzero()[0])
+                i = int(np.flatnonzero(bad)[0])
                 raise AllocatorError(f"decode alloc: last_slot={int(last[i])} is not the in-use "
                                      f"slot before a free one (seq_len="
                                      f"{int(seq[~fresh][i])}, page_size={ps})")
             slots[~fresh] = want
         if k:
             slots[fresh] = self._pop(k) * ps
+        return self._take(slots)
+
+    def _take(self, slots: np.ndarray) -> torch.Tensor:
+        """Mark the (distinct, free) slots in use -> them as a torch int64 tensor."""
         self._used[slots] = True
-        self._page_count.index_add_(0, slots // ps, torch.ones_like(slots))
+        if self.page_size == 1:
+            self._page_count[slots] = 1
+        else:
+            np.add.at(self._page_count, slots // self.page_size, 1)
+        out = torch.from_numpy(slots)
         if self.owners is not None:
-            self.owners.on_alloc(slots)
-        return slots
+            self.owners.on_alloc(out)
+        return out
 
     def free(self, slots: torch.Tensor) -> None:
         """Return slots; raises (freeing nothing) on a foreign or already-free slot."""
-        slots = slots.reshape(-1).to(torch.int64).cpu()
-        if slots.numel() == 0:
+        if slots.device.type != "cpu" or slots.dtype != torch.int64:
+            slots = slots.to("cpu", torch.int64)
+        s = slots.numpy().reshape(-1)
+        if s.size == 0:
             return
         ps = self.page_size
         lo, hi = ps, self.size + ps
-        out = (slots < lo) | (slots >= hi)
+        out = (s < lo) | (s >= hi)
         if out.any():
-            raise AllocatorError(f"free of slot {slots[out][0].item()}, which this allocator "
+            raise AllocatorError(f"free of slot {int(s[out][0])}, which this allocator "
                                  f"never hands out (valid [{lo}, {hi}))")
-        uniq = torch.unique(slots)
-        if uniq.numel() != slots.numel():
-            raise AllocatorError(f"free of a slot listed twice in one call ({slots.tolist()[:8]}...)")
-        not_used = ~self._used[slots]
+        uniq = np.unique(s)                                              # sorted
+        if uniq.size != s.size:
+            raise AllocatorError(f"free of a slot listed twice in one call ({s[:8].tolist()}...)")
+        not_used = ~self._used[s]
         if not_used.any():
-            raise AllocatorError(f"double free: slot {slots[not_used][0].item()} is not in use")
+            raise AllocatorError(f"double free: slot {int(s[not_used][0])} is not in use")
         if self.owners is not None:
-            self.owners.on_free(slots)
-        self._used[slots] = False
-        pages = slots // ps
-        self._page_count.index_add_(0, pages, -torch.ones_like(slots))
-        emptied = torch.unique(pages)
+            self.owners.on_free(torch.from_numpy(s))
+        self._used[s] = False
+        if ps == 1:
+            self._page_count[uniq] = 0
+            self._push(uniq)
+            return
+        pages = s // ps
+        np.add.at(self._page_count, pages, -1)
+        emptied = np.unique(pages)
         self._push(emptied[self._page_count[emptied] == 0])
 
-    def _pop(self, m: int) -> torch.Tensor:
-        """The next m free pages (the caller checked m <= _top), int64 (m,)."""
+    def _pop(self, m: int) -> np.ndarray:
+        """The next m free pages (the caller checked m <= _top), int64 (m,), a copy."""
         self._top -= m
-        return self._stack[self._top:self._top + m].flip(0)
+        return self._stack[self._top:self._top + m][::-1].copy()
 
-    def _push(self, pages: torch.Tensor) -> None:
+    def _push(self, pages: np.ndarray) -> None:
         """Pages freed together, handed out again in this order (before any older free page)."""
-        k = pages.numel()
-        self._stack[self._top:self._top + k] = pages.flip(0)
+        k = pages.size
+        self._stack[self._top:self._top + k] = pages[::-1]
         self._top += k
 
     # ---- books ---------------------------------------------------------------------------------
@@ -193,15 +201,16 @@ class SlotAllocator:
         free_t = self._stack[:self._top]
         if not 0 <= self._top <= self.num_pages:
             raise AllocatorError(f"free page count {self._top} outside [0, {self.num_pages}]")
-        if torch.unique(free_t).numel() != free_t.numel():
-            raise AllocatorError(f"free page list holds duplicates ({free_t.numel()} entries, "
-                                 f"{torch.unique(free_t).numel()} distinct)")
+        distinct = np.unique(free_t).size
+        if distinct != free_t.size:
+            raise AllocatorError(f"free page list holds duplicates ({free_t.size} entries, "
+                                 f"{distinct} distinct)")
         if ((free_t < 1) | (free_t > self.num_pages)).any():
             raise AllocatorError("free page list holds a page outside [1, num_pages]")
         if self._used[:ps].any():
             raise AllocatorError("a padding-page slot is marked in use")
-        counts = self._used.view(-1, ps).sum(1)
-        if not torch.equal(counts, self._page_count):
+        counts = self._used.reshape(-1, ps).sum(1)
+        if not np.array_equal(counts, self._page_count):
             raise AllocatorError("per-page use counts disagree with the slot bitmap")
         if (counts[free_t] != 0).any():
             raise AllocatorError("a page on the free list has slots in use")

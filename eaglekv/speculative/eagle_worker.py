@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections import Counter
 
+import numpy as np
 import torch
 
 from eaglekv.core import ForwardBatch, SpecStats, StepPlan, StepResult
@@ -245,8 +247,10 @@ class EagleWorker:
             self.res.allocator.free(torch.cat(owned))
             raise
         host_t, window = self.step_graphs.run(reqs, dslots, vslots)
-        host = host_t.tolist()                                                    # the sync
+        # the draft slots are the replay's scratch: they go back to the books while the device
+        # works (only the host allocates, and not before this step's sync)
         self.res.allocator.free(torch.cat(owned))
+        host = host_t.tolist()                                                    # the sync
         good, acc, toks = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
         self.timings["verify"] += time.perf_counter() - t0    # the whole step, one replay
         return self._step_result(reqs, vslots, good, acc, toks, [None] * len(reqs), None,
@@ -263,9 +267,9 @@ class EagleWorker:
         # at batch 64 this loop was 0.3 ms of tensor indexing): past the accepted path, or
         # the whole row of a failed request
         vl = vslots.tolist()
-        result.free_slots = torch.tensor([s for b in range(B)
-                                          for s in (vl[b][acc[b] + 1:] if good[b] else vl[b])],
-                                         dtype=vslots.dtype)
+        past = np.arange(N)[None, :] > np.asarray(acc)[:, None]                   # (B, N)
+        past[~np.asarray(good, dtype=bool)] = True
+        result.free_slots = torch.from_numpy(vslots.numpy()[past])
         live, ids, prefix, slots, hidden, ctx = [], [], [], [], [], []
         for b, r in enumerate(reqs):
             if not good[b]:   # fails alone: its verify slots go back (above)
@@ -274,7 +278,6 @@ class EagleWorker:
             a = acc[b]
             result.kv_advance[b], result.last_slots[b] = a + 1, vl[b][a]
             result.accepted[b], result.tokens[b], result.logprobs[b] = a, toks[b][:a + 1], lps[b]
-            self._count(a)
             live.append(r)
             if window is None:
                 ids.append(toks[b][:a + 1])
@@ -282,6 +285,7 @@ class EagleWorker:
                 slots.append(vslots[b, :a + 1])
                 hidden.append(hid[b, :a + 1])
                 ctx.append(r.all_ids + toks[b][:a + 1])
+        self._count([a for a, g in zip(acc, good) if g])
         if window is not None:  # the draft already ran over the window, before the sync
             for b, r in enumerate(reqs):
                 if good[b]:
@@ -357,10 +361,13 @@ class EagleWorker:
         idx = torch.arange(B, device=dev) * W + res.accept_len                    # (B,)
         return self.drafter.extend_window(batch, hidden.reshape(B * W, -1), idx)
 
-    def _count(self, accepted: int) -> None:
-        """Engine-wide counters (each request's own are counted when its result is committed)."""
+    def _count(self, accepted: list[int]) -> None:
+        """Engine-wide counters of a step's committed requests, one accepted count each (each
+        request's own are counted when its result is committed)."""
         st = self.stats
-        st.verify_steps += 1
-        st.draft_tokens += self.N - 1
-        st.accepted_tokens += accepted
-        st.accept_histogram[accepted + 1] = st.accept_histogram.get(accepted + 1, 0) + 1
+        st.verify_steps += len(accepted)
+        st.draft_tokens += (self.N - 1) * len(accepted)
+        st.accepted_tokens += sum(accepted)
+        hist = st.accept_histogram
+        for a, c in Counter(accepted).items():
+            hist[a + 1] = hist.get(a + 1, 0) + c
