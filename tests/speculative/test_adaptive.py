@@ -22,7 +22,7 @@ from eaglekv.config import SpecConfig  # noqa: E402
 from eaglekv.core import ForwardBatch  # noqa: E402
 from eaglekv.errors import ConfigError  # noqa: E402
 from eaglekv.speculative.adaptive import (  # noqa: E402
-    CHAIN, PLAIN, AdaptivePolicy, Choice, CostTable, Shape, bucket)
+    CHAIN, EXPLORE_ALLOWANCE, PLAIN, AdaptivePolicy, Choice, CostTable, Shape, bucket)
 from eaglekv.speculative.adaptive_worker import Lag  # noqa: E402
 from eaglekv.speculative.drafter import ScriptedDrafter  # noqa: E402
 from helpers import PROMPTS, fresh_kv, oracle, tiny_engine  # noqa: E402
@@ -199,12 +199,51 @@ def test_optimism_keeps_trying_a_shape_until_it_has_seen_enough():
     p.observe_spec([r], S3, [0])
     assert list(p.state(r).nobs[:3]) == [2, 2, 2]
     p.state(r).rates[:] = 0.35                    # expected 1.05: 2.05 tokens for 2.2 steps
+    p.observe_plain([FakeReq()], tokens=100)      # 100 tokens made: room to explore
     assert p.choose([r]).shape == S3              # with 2 observations: still tried
     other = FakeReq()
     p.observe_spec([other], S3, [3] * 1)
     assert p.state(other).nobs[0] == 1 and p.state(r).nobs[0] == 2
     p.state(r).nobs[:] = 10**6
     assert p.choose([r]).shape is None            # with a million: the estimate decides
+
+
+def test_optimism_is_budgeted():
+    """Once a request has drafts of its own, choices only the optimism makes (S3 expected at
+    2.05 tokens for 2.2 plain steps: each costs 0.15 plain tokens; of two requests, one
+    speculates) cost at most `explore_budget` of the tokens made plus EXPLORE_ALLOWANCE per
+    request seen; a request's first try is free, and a choice the estimates say pays is taken
+    with the budget spent."""
+    p = AdaptivePolicy([S3], CostTable.fixed({PLAIN: 1.0, S3.label: 2.2}))
+    fresh = FakeReq()
+    p.state(fresh).rates[:] = 0.35
+    assert p.emitted == 0 and p.choose([fresh]).shape == S3      # the first try: free
+    r, bg = FakeReq(), FakeReq()
+    p.observe_spec([r], S3, [0])
+    p.observe_spec([r], S3, [0])                  # 2 tokens made
+    tried = 0
+    for _ in range(1000):
+        p.state(r).rates[:] = 0.35
+        p.state(r).nobs[:] = 2
+        tried += p.choose([r]).shape == S3
+        p.observe_plain([bg])                     # another request makes a token
+    assert p.emitted == 1002 and p.explore_room == 3 * EXPLORE_ALLOWANCE
+    room = p.explore_room + p.explore_budget * p.emitted
+    assert p.explore_spent <= room + 1e-9
+    assert room / 0.15 - 2 <= tried <= room / 0.15 + 1, (tried, room)        # ~87 of 1000
+    p.state(r).rates[:] = 0.9                     # 3.43 tokens for 2.2: pays on its own
+    assert p.choose([r]).shape == S3
+    two = AdaptivePolicy([S3], CostTable.fixed({PLAIN: 1.0, S3.label: 2.2}))
+    a, b = FakeReq(), FakeReq()
+    two.observe_spec([a, b], S3, [0, 0])
+    tried = 0
+    for _ in range(100):
+        for q in (a, b):
+            two.state(q).rates[:] = 0.35
+        tried += two.choose([a, b]).shape == S3
+        two._plain_key = None                     # no reuse of an all-plain choice
+    room = two.explore_room + two.explore_budget * two.emitted                 # 2 + 0.02
+    assert room / 0.15 - 2 <= tried <= room / 0.15 + 1, (tried, room)         # ~13 of 100
 
 
 def test_batch_state_is_per_row_and_resets_for_a_new_request():
