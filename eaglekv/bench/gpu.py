@@ -112,7 +112,20 @@ def timed_generate(engine: Engine, ps: list[list[int]], n: int) -> tuple[float, 
 
 
 def step_profile(engine: Engine, ps: list[list[int]], steps: int = 5) -> dict:
-    """Kernels and device time per engine step while every request decodes."""
+    """Kernels and device time per engine step while every request decodes. An adaptive
+    engine's cost table is frozen meanwhile: steps under a profiler are not its costs."""
+    costs = getattr(getattr(engine.runner, "policy", None), "costs", None)
+    frozen = costs is not None and costs.frozen
+    if costs is not None:
+        costs.frozen = True
+    try:
+        return _step_profile(engine, ps, steps)
+    finally:
+        if costs is not None:
+            costs.frozen = frozen
+
+
+def _step_profile(engine: Engine, ps: list[list[int]], steps: int) -> dict:
     # enough for 3 + 3 * steps engine steps of the longest decode chain (32 tokens each)
     params = SamplingParams(max_new_tokens=512, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in ps]

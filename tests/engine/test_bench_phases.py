@@ -46,3 +46,21 @@ def test_step_profile_ranks_the_host_work(tiny_dir):
     assert any("engine.py" in r["function"] or "speculative/" in r["function"] for r in top)
     e.check_memory()
     assert e.allocator.is_full()
+
+
+def test_step_profile_leaves_the_adaptive_costs_alone(tiny_dir):
+    """Steps under the profilers are not an adaptive engine's costs: its cost table is the
+    same after the profile, and learns again afterwards."""
+    from eaglekv.bench.gpu import step_profile
+    e = tiny_engine(tiny_dir, max_context_len=1024, max_total_tokens=4096,
+                    speculative=dict(algorithm="eagle", draft_model="random", adaptive=True,
+                                     shapes=((3, 1, 4),)))
+    e.generate(PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    costs = e.runner.policy.costs
+    before = {k: list(v) for k, v in costs.cells.items()}
+    assert before
+    step_profile(e, PROMPTS, steps=3)
+    assert {k: list(v) for k, v in costs.cells.items()} == before
+    assert not costs.frozen
+    e.generate(PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert {k: list(v) for k, v in costs.cells.items()} != before
