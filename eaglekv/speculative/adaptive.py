@@ -55,6 +55,8 @@ import numpy as np
 
 PLAIN = "plain"          # a plain step of one token per request: its seconds
 CHAIN = "chain"          # a plain step that decoded a chain of k tokens: its seconds / k
+CATCHUP = "catchup"      # the draft catching up on plainly decoded tokens: seconds per token
+#                          of each lagging request (charged to plain decoding, which caused it)
 COST_VERSION = 2         # 2: chain cells; the acceptance summary without chain corrections
 FREE_TRIES = 1           # a request's first speculative step is not held to the exploration budget
 EXPLORE_ALLOWANCE = 1.0  # plain tokens' worth each new request adds to it
@@ -399,7 +401,7 @@ class AdaptivePolicy:
         waiting = self.wait[rows] > 0
         if waiting.all():
             return self._chosen(self._refresh(B, None) or Choice(None, [], list(range(B))))
-        per_token = costs.get(alone, B)
+        per_token = costs.get(alone, B) + self.catch_up_cost(B)
         if B == 1:      # the latency case, in scalars (numpy's per-call cost would dominate)
             return self._chosen(self._choose_one(int(rows[0]),
                                                  self._extrapolated(self.rates[rows])[0],
@@ -469,6 +471,13 @@ class AdaptivePolicy:
                 best = sure
         return self._refresh(1, best) or best
 
+    def catch_up_cost(self, n: int) -> float:
+        """Seconds a plainly decoded token of each of n requests costs later, when the draft
+        catches up on it before their next speculative step (0 until measured at n's
+        bucket: a dict lookup, this runs every step)."""
+        c = self.costs.cells.get(CostTable.key(CATCHUP, n))
+        return c[0] if c is not None and c[1] >= self.costs.seed else 0.0
+
     def _afford(self, loss: float) -> bool:
         """An optimistic choice expected to cost `loss` plain tokens' worth of time: whether
         the exploration budget has room (then it is spent)."""
@@ -498,6 +507,8 @@ class AdaptivePolicy:
                 c = self.costs.get(label, n)
                 if c is None and label == PLAIN:
                     c = self.costs.get(CHAIN, n)
+                if c is not None and label == PLAIN:
+                    c += self.catch_up_cost(n)
                 cache[b] = np.inf if c is None else c
             out[n] = cache[b]
         self._curves[key] = out

@@ -24,7 +24,11 @@ with the batch and with the tokens a step makes. On the H200 at batch 64 they we
 a speculative step, and a policy costing only the timed parts chose S5 where plain decoding is
 faster (issue 15's run of 2026-12-04). The part the timers missed is shared among the step's
 parts in proportion to their timed seconds, so a split step's plain part, which shares the
-plain cell with all-plain steps, is costed as those are.
+plain cell with all-plain steps, is costed as those are. The draft's catch-up before a
+speculative step is timed on its own and charged to the plain steps that made it necessary
+(`CATCHUP`: seconds per lagging token, added to plain decoding's cost per token in the
+choice): charged to the speculative step, it made a shape's cell read more than its step
+after every plain stretch, and the policy then went plain more often.
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ import torch
 from eaglekv.core import ForwardBatch, SpecStats, StepPlan, StepResult
 from eaglekv.cuda_graph import store_features
 from eaglekv.runner import ModelRunner, guarded
-from eaglekv.speculative.adaptive import (CHAIN, PLAIN, AdaptivePolicy, CostTable, Shape,
-                                          cost_cache_path)
+from eaglekv.speculative.adaptive import (CATCHUP, CHAIN, PLAIN, AdaptivePolicy, CostTable,
+                                          Shape, cost_cache_path)
 from eaglekv.speculative.eagle_worker import EagleWorker
 
 
@@ -186,7 +190,10 @@ class AdaptiveWorker:
                 self._pending.append((PLAIN, len(sub), dt, 1))
                 self.policy.observe_plain(sub)
             else:
-                self._catch_up(sub)
+                t = time.perf_counter()
+                lag = self._catch_up(sub)
+                if lag:         # (requests, tokens each): charged to the plain steps behind it
+                    self._pending.append((CATCHUP, lag[0], time.perf_counter() - t, lag[1]))
                 t = time.perf_counter()
                 res = self.workers[choice.shape].decode(sub)
                 self._pending.append((choice.shape.label, len(sub), time.perf_counter() - t, 1))
@@ -297,11 +304,12 @@ class AdaptiveWorker:
             for r, (kv, last) in zip(plan.reqs, books):
                 r.kv_len, r.last_slot = kv, last
 
-    def _catch_up(self, reqs) -> None:
-        """The draft over every lagging request's kept inputs, in one extend."""
+    def _catch_up(self, reqs) -> tuple[int, float] | None:
+        """The draft over every lagging request's kept inputs, in one extend -> (lagging
+        requests, mean tokens each), or None when none lagged."""
         lag = [r for r in reqs if isinstance(r.draft_state, Lag)]
         if not lag:
-            return
+            return None
         r2t = self.res.req_to_token.req_to_token
         ids, prefix, slots = [], [], []
         for r in lag:
@@ -314,6 +322,7 @@ class AdaptiveWorker:
         # these slots are the requests' own committed ones; the draft's store checks them too
         hidden = self.feature_table[slots.clamp(0, self.feature_table.shape[0] - 1)]
         self.first._draft_extend(lag, ids, prefix, slots, hidden, [r.all_ids for r in lag])
+        return len(lag), sum(len(t) for t in ids) / len(lag)
 
     def explain(self, batch: int = 1) -> str:
         """What the policy chose so far and why (the CLI prints it with the step counts)."""

@@ -22,7 +22,7 @@ from eaglekv.config import SpecConfig  # noqa: E402
 from eaglekv.core import ForwardBatch  # noqa: E402
 from eaglekv.errors import ConfigError  # noqa: E402
 from eaglekv.speculative.adaptive import (  # noqa: E402
-    CHAIN, EXPLORE_ALLOWANCE, PLAIN, AdaptivePolicy, Choice, CostTable, Shape, bucket)
+    CATCHUP, CHAIN, EXPLORE_ALLOWANCE, PLAIN, AdaptivePolicy, Choice, CostTable, Shape, bucket)
 from eaglekv.speculative.adaptive_worker import Lag  # noqa: E402
 from eaglekv.speculative.drafter import ScriptedDrafter  # noqa: E402
 from helpers import PROMPTS, fresh_kv, oracle, tiny_engine  # noqa: E402
@@ -353,6 +353,30 @@ def test_any_mix_of_plain_and_speculative_steps_is_lossless_and_keeps_the_kv(tin
     assert any(k.endswith("+plain") for k in st.choices)
     eng.check_memory()
     assert eng.allocator.is_full()
+
+
+def test_the_catch_up_is_charged_to_plain_decoding(tiny_dir):
+    """The draft's catch-up over plainly decoded tokens is timed apart from the speculative
+    step that runs it, into the CATCHUP cell (seconds per lagging token), and the choice
+    adds it to plain decoding's cost: S3 at 2.2 plain steps for 2.15 tokens loses to plain
+    at 1.0 a token, and wins when a plain token also costs 0.1 of catch-up later."""
+    table = {PLAIN: 1.0, S3.label: 2.2}
+    for catch_up, want in ((None, None), (0.1, S3)):
+        p = AdaptivePolicy([S3], CostTable.fixed(table if catch_up is None
+                                                 else {**table, CATCHUP: catch_up}))
+        r = FakeReq()
+        p.state(r).rates[:] = [0.5, 0.4, 0.25]    # expected 1.15: 2.15 tokens a step
+        p.state(r).nobs[:] = 10**6                # no optimism left
+        assert p.choose([r]).shape == want
+    eng = adaptive_engine(tiny_dir, max_context_len=512, max_total_tokens=2048)
+    eng.runner.policy.costs = CostTable(drop_first=False)
+    scripted_choices(eng, lambda i, n: Choice(None, [], list(range(n))) if i < 4
+                     else Choice(Shape(3, 1, 4), list(range(n)), []))
+    eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    cells = eng.runner.policy.costs.cells
+    assert cells[CostTable.key(CATCHUP, 1)][1] == 1        # one catch-up (after the 4 plain)
+    assert cells[CostTable.key(PLAIN, 1)][1] == 4 and cells[CostTable.key("S3K1N4", 1)][1] >= 1
+    eng.check_memory()
 
 
 def test_switches_off_and_back_on_as_acceptance_changes(tiny_dir, reference):
@@ -712,7 +736,9 @@ def test_a_step_is_costed_by_its_whole_wall_time(tiny_dir, reference):
     """The engine reports each step's wall time, planning to commit, and the policy's costs are
     that, not only the timed forwards: with a commit made 30 ms slower, what each decode step
     charges to its cells adds up to its wall time, at least 30 ms, for all-plain, split and
-    speculative steps alike (no chains here: a chain's cell is charged per token). Outputs stay plain decoding's."""
+    speculative steps alike (no chains here: a chain's cell is charged per token, and so is
+    the draft's catch-up, per lagging token: counted back here). Outputs stay plain
+    decoding's."""
     import time as _time
     eng = adaptive_engine(tiny_dir, max_running_requests=4)
     w = eng.runner
@@ -730,9 +756,11 @@ def test_a_step_is_costed_by_its_whole_wall_time(tiny_dir, reference):
 
     def reported(seconds):
         charged.clear()
+        parts = list(w._pending or [])          # (label, n, seconds, per how many tokens)
         report(seconds)
         if charged:                             # a decode step (a prefill charges nothing)
-            steps.append((w.policy.last.label, sum(charged), seconds))
+            total = sum(c * p[3] for c, p in zip(charged, parts))
+            steps.append((w.policy.last.label, total, seconds))
 
     eng.scheduler.commit = slow_commit
     w.policy.costs.observe = lambda label, n, sec: (charged.append(sec), observe(label, n, sec))
