@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--table", action="store_true", help="the table of modes x batch sizes "
                    "(the default with --device cuda): JSON + PNG into --out")
     b.add_argument("--batches", default="1,4,16,64", help="--table: batch sizes")
+    b.add_argument("--waves", type=int, default=1, help="--table: B requests in flight and "
+                   "B * waves in all, a new one as each finishes (continuous batching, as a "
+                   "loaded server); 1: one batch of B, done when its slowest request is")
     b.add_argument("--modes", default="plain,eagle_chain_S3K1N4,eagle_tree_S4K2N8,adaptive",
                    help="--table: plain, the EAGLE shapes (eagle_chain_S1K1N2, "
                    "eagle_chain_S3K1N4, eagle_chain_S5K1N6, eagle_tree_S4K2N8) and adaptive")

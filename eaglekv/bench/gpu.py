@@ -77,22 +77,33 @@ def prompts(engine: Engine, B: int) -> list[list[int]]:
     return [base + engine.encode(f" Story {i}.") for i in range(B)]
 
 
-def timed_generate(engine: Engine, ps: list[list[int]], n: int) -> tuple[float, list, dict]:
+def timed_generate(engine: Engine, ps: list[list[int]], n: int,
+                   concurrency: int | None = None) -> tuple[float, list, dict]:
     """`engine.generate(ps)` timed, step by step: (tokens/s, the token ids, where the time
-    went: the prefill steps (until every request has its first token), the decode steps'
-    count, sum and spread, and the rest (adding the requests, the outputs' detokenization)).
-    Every step ends at a host sync, so a step's wall is its whole cost."""
+    went: the prefill steps (until every request of the first wave has its first token), the
+    decode steps' count, sum and spread, and the rest (adding the requests, the outputs'
+    detokenization)). Every step ends at a host sync, so a step's wall is its whole cost.
+
+    `concurrency`: at most that many requests in flight, a new one added as soon as one
+    finishes (continuous batching, as a server under load or vLLM's and SGLang's throughput
+    benchmarks run it); the later waves' prefills then count among the decode steps. None:
+    every request at once, the batch ending with its slowest request."""
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    c = len(ps) if concurrency is None else concurrency
     sync()
     t = time.perf_counter()
-    reqs = [engine.add_request(p, params) for p in ps]
+    reqs = [engine.add_request(p, params) for p in ps[:c]]
     walls, first = [], None
-    while any(not r.finished for r in reqs):
+    while len(reqs) < len(ps) or any(not r.finished for r in reqs):
         s = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - s)
-        if first is None and all(r.output_ids for r in reqs):
+        if first is None and all(r.output_ids for r in reqs[:c]):
             first = len(walls)
+        running = sum(not r.finished for r in reqs)
+        while running < c and len(reqs) < len(ps):
+            reqs.append(engine.add_request(ps[len(reqs)], params))
+            running += 1
     failed = [r for r in reqs if r.error is not None]
     if failed:
         raise failed[0].error
@@ -181,10 +192,12 @@ def run_modes(args, modes: list[str], batches: list[int]) -> dict:
     """Every mode's engine first, warmed up at every batch size; then `repeats` rounds, each
     running every mode at every batch size in turn; then the per-step profiles."""
     engines = {m: make_engine(args, m, max(batches)) for m in modes}
-    ps = {B: prompts(next(iter(engines.values())), B) for B in batches}
+    waves = getattr(args, "waves", 1)      # > 1: B requests in flight, B * waves in all
+    ps = {B: prompts(next(iter(engines.values())), B * waves) for B in batches}
+    conc = {B: B if waves > 1 else None for B in batches}
     for m, eng in engines.items():
         for B in batches:   # the whole length once: every kernel specialisation compiled
-            timed_generate(eng, ps[B], args.new_tokens)   # (adaptive: costs measured here)
+            timed_generate(eng, ps[B][:B], args.new_tokens)   # (adaptive: costs measured)
         if eng.worker is not None:
             eng.worker.reset_stats()
     runs = {m: {B: [] for B in batches} for m in modes}
@@ -195,7 +208,8 @@ def run_modes(args, modes: list[str], batches: list[int]) -> dict:
             for B in batches:
                 if eng.worker is not None:
                     eng.worker.reset_stats()
-                tps, toks[m][B], phases = timed_generate(eng, ps[B], args.new_tokens)
+                tps, toks[m][B], phases = timed_generate(eng, ps[B], args.new_tokens,
+                                                         conc[B])
                 runs[m][B].append(tps)
                 stats[m].setdefault(B, {}).setdefault("phases", []).append(phases)
                 if eng.worker is not None:
@@ -218,9 +232,9 @@ def run_modes(args, modes: list[str], batches: list[int]) -> dict:
                    **stats[m].get(B, {})}
             if "plain" in toks and m != "plain":
                 same = sum(a == b for a, b in zip(toks[m][B], toks["plain"][B]))
-                row["greedy_identical_to_plain"] = f"{same}/{B} requests"
+                row["greedy_identical_to_plain"] = f"{same}/{len(ps[B])} requests"
             if args.device.startswith("cuda") and B in (batches[0], batches[-1]):
-                row["step_profile"] = step_profile(eng, ps[B])
+                row["step_profile"] = step_profile(eng, ps[B][:B])
             rows[B] = row
         out[m] = {"rows": rows, "cuda_graphs": graph_replays(eng)}
         policy = getattr(eng.runner, "policy", None)
@@ -414,6 +428,7 @@ def main(args) -> None:
               else "cpu", "torch": torch.__version__,
               "model": args.model, "model_short": os.path.basename(str(args.model)),
               "dtype": args.dtype, "new_tokens": args.new_tokens, "repeats": args.repeats,
+              "waves": getattr(args, "waves", 1),
               "command": args.command_line, "modes": {}}
     t = time.perf_counter()
     result["modes"] = run_modes(args, modes, batches)

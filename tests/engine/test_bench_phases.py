@@ -64,3 +64,27 @@ def test_step_profile_leaves_the_adaptive_costs_alone(tiny_dir):
     assert not costs.frozen
     e.generate(PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert {k: list(v) for k, v in costs.cells.items()} != before
+
+
+@pytest.mark.parametrize("kw", [{}, {"speculative": spec("eagle", 3, 1, 4)}],
+                         ids=["plain", "eagle"])
+def test_timed_generate_keeps_a_concurrency(tiny_dir, kw):
+    """`concurrency` (the bench's --waves): at most that many requests in flight, a new one
+    added as one finishes, until every prompt ran; the same tokens as `Engine.generate`."""
+    ps = PROMPTS + [[3, 1, 4, 1, 5], [2, 7, 1, 8]]
+    n = 7
+    ref = tiny_engine(tiny_dir, **kw).generate(ps, SamplingParams(max_new_tokens=n,
+                                                                  ignore_eos=True))
+    e = tiny_engine(tiny_dir, **kw)
+    seen = []
+    step = e.step
+    e.step = lambda: (seen.append(len(e.scheduler.running) + len(e.scheduler.waiting)),
+                      step())[1]
+    tps, toks, ph = timed_generate(e, ps, n, concurrency=2)
+    assert toks == [o.token_ids for o in ref]
+    assert max(seen) == 2 and len(seen) >= len(ps) * n / 2 / 4
+    total_ms = 1e3 * len(ps) * n / tps
+    assert ph["prefill_ms"] + ph["decode_ms"] + ph["other_ms"] == pytest.approx(total_ms,
+                                                                              rel=1e-6)
+    e.check_memory()
+    assert e.allocator.is_full()
