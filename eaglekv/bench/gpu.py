@@ -172,7 +172,22 @@ def _step_profile(engine: Engine, ps: list[list[int]], steps: int) -> dict:
             "device_ms_per_step": sum(e.device_time for e in kernels) / 1e3 / steps,
             "host_wall_ms_per_step": 1e3 * statistics.median(walls),
             "tokens_per_request_per_step": per_step,
+            "kernel_top": kernel_top(kernels, steps),
             "host_top": host_top(cp, steps)}
+
+
+def kernel_top(kernels, steps: int, n: int = 30) -> list[dict]:
+    """The n device kernels (by name) with the most device time a step: launches and
+    microseconds a step, so a step's kernels per layer can be read by kind (a layer's
+    kernels appear num_layers times a step)."""
+    agg: dict[str, list[float]] = {}
+    for e in kernels:
+        a = agg.setdefault(e.name, [0, 0.0])
+        a[0] += 1
+        a[1] += e.device_time
+    rows = [{"kernel": name[:160], "launches_per_step": cnt / steps, "us_per_step": us / steps}
+            for name, (cnt, us) in agg.items()]
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:n]
 
 
 def host_top(cp: cProfile.Profile, steps: int, n: int = 25) -> list[dict]:

@@ -88,3 +88,18 @@ def test_timed_generate_keeps_a_concurrency(tiny_dir, kw):
                                                                               rel=1e-6)
     e.check_memory()
     assert e.allocator.is_full()
+
+
+def test_kernel_top_sums_launches_and_time_by_name():
+    """The step profile's kernel table: per kernel name, launches and device us a step,
+    the most time first."""
+    from types import SimpleNamespace as K
+
+    from eaglekv.bench.gpu import kernel_top
+    ks = [K(name="gemv", device_time=4.0), K(name="norm", device_time=1.0),
+          K(name="gemv", device_time=6.0), K(name="attn", device_time=3.0)] * 2
+    top = kernel_top(ks, steps=2)
+    assert top == [{"kernel": "gemv", "launches_per_step": 2.0, "us_per_step": 10.0},
+                   {"kernel": "attn", "launches_per_step": 1.0, "us_per_step": 3.0},
+                   {"kernel": "norm", "launches_per_step": 1.0, "us_per_step": 1.0}]
+    assert kernel_top(ks, steps=2, n=1) == top[:1]
