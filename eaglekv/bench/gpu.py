@@ -360,6 +360,11 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
     fused_s, step_s, fused_s2 = (decode_step_s(with_fused), decode_step_s(graphs),
                                  decode_step_s(with_fused))
     del with_fused
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(5):
+            graphs.replay([7], [context], [row], np.array([context + 1]))
+        sync()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     verify = {}
     for N in (4, 8, 16):   # one verify of N chain nodes vs one decode step, both replayed
         vg = VerifyGraphs(model, backend, 1, N, progress=False)
@@ -385,7 +390,9 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
            "decode_ms": 1e3 * step_s, "tokens_per_s": 1 / step_s,
            "decode_ms_norm_matmul": 1e3 * min(fused_s, fused_s2),
            "roofline_ms": 1e3 * roofline_s, "fraction_of_roofline": roofline_s / step_s,
-           "verify_vs_decode": verify}
+           "kernels_per_step": len(kernels) / 5,
+           "device_ms_per_step": sum(e.device_time for e in kernels) / 1e3 / 5,
+           "kernel_top": kernel_top(kernels, 5), "verify_vs_decode": verify}
     del graphs, model, pool, backend
     torch.cuda.empty_cache()
     return out
