@@ -15,6 +15,7 @@ size, one line per mode) go to --out (a directory).
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import datetime
 import json
@@ -41,7 +42,17 @@ MODES = {"plain": None,
                                      num_draft_tokens=6),
          "eagle3_tree_S4K2N8": dict(algorithm="eagle3", num_steps=4, topk=2,
                                     num_draft_tokens=8),
-         "adaptive": dict(adaptive=True)}
+         "adaptive": dict(adaptive=True),
+         # built and run with every index check off (guard.unchecked): what the checks cost
+         "plain_unchecked": None,
+         "eagle_chain_S5K1N6_unchecked": dict(num_steps=5, topk=1, num_draft_tokens=6)}
+
+
+def mode_checks(mode: str):
+    """`*_unchecked` modes capture their graphs and run with the index checks off
+    (`guard.unchecked`, measurement only); every other mode as shipped."""
+    from eaglekv.kernels import guard
+    return guard.unchecked() if mode.endswith("_unchecked") else contextlib.nullcontext()
 
 
 def sync() -> None:
@@ -53,7 +64,8 @@ def make_engine(args, mode: str, max_batch: int) -> Engine:
     from eaglekv.kernels import fused
     default, fused.FUSE_NORM_MATMUL = fused.FUSE_NORM_MATMUL, mode == "plain_fused"
     try:                                                  # what the graphs capture
-        return _make_engine(args, mode, max_batch)
+        with mode_checks(mode):
+            return _make_engine(args, mode, max_batch)
     finally:
         fused.FUSE_NORM_MATMUL = default
 
@@ -212,7 +224,8 @@ def run_modes(args, modes: list[str], batches: list[int]) -> dict:
     conc = {B: B if waves > 1 else None for B in batches}
     for m, eng in engines.items():
         for B in batches:   # the whole length once: every kernel specialisation compiled
-            timed_generate(eng, ps[B][:B], args.new_tokens)   # (adaptive: costs measured)
+            with mode_checks(m):                           # (adaptive: costs measured)
+                timed_generate(eng, ps[B][:B], args.new_tokens)
         if eng.worker is not None:
             eng.worker.reset_stats()
     runs = {m: {B: [] for B in batches} for m in modes}
@@ -223,8 +236,9 @@ def run_modes(args, modes: list[str], batches: list[int]) -> dict:
             for B in batches:
                 if eng.worker is not None:
                     eng.worker.reset_stats()
-                tps, toks[m][B], phases = timed_generate(eng, ps[B], args.new_tokens,
-                                                         conc[B])
+                with mode_checks(m):
+                    tps, toks[m][B], phases = timed_generate(eng, ps[B], args.new_tokens,
+                                                             conc[B])
                 runs[m][B].append(tps)
                 stats[m].setdefault(B, {}).setdefault("phases", []).append(phases)
                 if eng.worker is not None:
@@ -249,7 +263,8 @@ def run_modes(args, modes: list[str], batches: list[int]) -> dict:
                 same = sum(a == b for a, b in zip(toks[m][B], toks["plain"][B]))
                 row["greedy_identical_to_plain"] = f"{same}/{len(ps[B])} requests"
             if args.device.startswith("cuda") and B in (batches[0], batches[-1]):
-                row["step_profile"] = step_profile(eng, ps[B][:B])
+                with mode_checks(m):
+                    row["step_profile"] = step_profile(eng, ps[B][:B])
             rows[B] = row
         out[m] = {"rows": rows, "cuda_graphs": graph_replays(eng)}
         policy = getattr(eng.runner, "policy", None)
@@ -442,6 +457,13 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _profile_ratio(result: dict, m: str, u: str, B, key: str) -> float | None:
+    """checked / unchecked of a step-profile figure (None where a row was not profiled)."""
+    a = result["modes"][m]["rows"][B].get("step_profile", {}).get(key)
+    b = result["modes"][u]["rows"][B].get("step_profile", {}).get(key)
+    return a / b if a and b else None
+
+
 def main(args) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     modes = [m for m in args.modes.split(",")]
@@ -464,7 +486,8 @@ def main(args) -> None:
             mode: {B: m["rows"][B]["tokens_per_s"] / plain[B]["tokens_per_s"]
                    for B in m["rows"] if B in plain}
             for mode, m in result["modes"].items() if mode != "plain"}
-        fixed = [m for m in result["modes"] if m not in ("plain", "adaptive")]
+        fixed = [m for m in result["modes"] if m.startswith("eagle")
+                 and not m.endswith("_unchecked")]
         if "adaptive" in result["modes"]:    # issue 15: vs plain and vs the best fixed shape
             ad = result["modes"]["adaptive"]["rows"]
             result["adaptive_vs"] = {
@@ -473,6 +496,16 @@ def main(args) -> None:
                         [result["modes"][f]["rows"][B]["tokens_per_s"] for f in fixed]
                         + [plain[B]["tokens_per_s"]])}
                 for B in ad}
+    checked = {m.removesuffix("_unchecked"): m for m in result["modes"]
+               if m.endswith("_unchecked") and m.removesuffix("_unchecked") in result["modes"]}
+    if checked:       # issue 13: the same step with and without its index checks
+        result["checked_vs_unchecked"] = {
+            m: {B: {"tokens_per_s": result["modes"][m]["rows"][B]["tokens_per_s"]
+                    / result["modes"][u]["rows"][B]["tokens_per_s"],
+                    "step_wall": _profile_ratio(result, m, u, B, "host_wall_ms_per_step"),
+                    "step_device": _profile_ratio(result, m, u, B, "device_ms_per_step")}
+                for B in result["modes"][m]["rows"]}
+            for m, u in checked.items()}
     if not args.no_hf:
         from eaglekv.model.loader import load_checkpoint
         ids = load_checkpoint(args.model).tokenizer.encode(PROMPT)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eaglekv.kernels.guard import kv_guard
+from eaglekv.kernels.guard import checks_enabled, kv_guard
 
 _BIG = tl.constexpr(2**62)      # larger than any flat table position: neutral for min
 _NEG = tl.constexpr(-1.0e30)    # running max before any visible key (finite: no inf - inf)
@@ -70,23 +70,35 @@ def _outside(base, lo, hi, n_table):
 
 
 @triton.jit
-def _in_table(base, lo, hi, n_table):
-    """The j range [jlo, jhi) of [lo, hi) whose positions base + j lie in [0, n_table)."""
-    jlo = tl.maximum(lo, -base)
-    jhi = tl.maximum(tl.minimum(hi, n_table - base), jlo)
+def _in_table(base, lo, hi, n_table, CHECK: tl.constexpr):
+    """The j range [jlo, jhi) of [lo, hi) whose positions base + j lie in [0, n_table)
+    ([lo, hi) itself unchecked)."""
+    if CHECK:
+        jlo = tl.maximum(lo, -base)
+        jhi = tl.maximum(tl.minimum(hi, n_table - base), jlo)
+    else:
+        jlo = lo
+        jhi = hi
     return jlo, jhi
 
 
 @triton.jit
-def _load_slots(table_ptr, base, j, live, n_table, size_limit, report):
+def _load_slots(table_ptr, base, j, live, n_table, size_limit, report, CHECK: tl.constexpr):
     """Slots `table[base + j]` for the live lanes (BLOCK_N,): returns (slot or 0, ok, bad,
-    tpos); `bad` marks the lanes this program reports (`report`: a (BLOCK_N,) bool)."""
+    tpos); `bad` marks the lanes this program reports (`report`: a (BLOCK_N,) bool).
+    CHECK=False (measurement only, `guard.unchecked`): the slots as they are, none bad."""
     tpos = base + j                                                    # (BLOCK_N,) int64
-    in_table = live & (tpos >= 0) & (tpos < n_table)
-    slot = tl.load(table_ptr + tpos, mask=in_table, other=0).to(tl.int64)
-    ok = in_table & (slot >= 0) & (slot < size_limit)
-    bad = in_table & (~ok) & report
-    return tl.where(ok, slot, 0), ok, bad, tpos
+    if CHECK:
+        in_table = live & (tpos >= 0) & (tpos < n_table)
+        slot = tl.load(table_ptr + tpos, mask=in_table, other=0).to(tl.int64)
+        ok = in_table & (slot >= 0) & (slot < size_limit)
+        bad = in_table & (~ok) & report
+        slot = tl.where(ok, slot, 0)
+    else:
+        slot = tl.load(table_ptr + tpos, mask=live, other=0).to(tl.int64)
+        ok = live
+        bad = live & (~report) & report                                # all False
+    return slot, ok, bad, tpos
 
 
 @triton.jit
@@ -119,7 +131,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
                    q_s0, q_s1, q_s2, o_s0, o_s1, o_s2, k_s0, k_s1, v_s0, v_s1,
                    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    DP: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                   F32DOT: tl.constexpr):
+                   F32DOT: tl.constexpr, CHECK: tl.constexpr):
     """Program (b, kv head, split): the G query heads of one kv head (rows padded to GP) over
     keys [lo, hi), lo = split * chunk, hi = min(lo + chunk, kv_len), chunk = cdiv(kv_len,
     SPLITS). SPLITS == 1 writes the output; else the partial output o = acc / l and
@@ -148,20 +160,22 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
     nbad = tl.zeros([BLOCK_N], tl.int32)
     first = tl.full([BLOCK_N], _BIG, tl.int64)
     every = tl.full([1, BLOCK_N], 1, tl.int1)                          # no causal mask
-    jlo, jhi = _in_table(base, lo, hi, n_table)                        # the rest: not read
+    jlo, jhi = _in_table(base, lo, hi, n_table, CHECK)                 # the rest: not read
     for n0 in range(jlo, jhi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)                    # (BLOCK_N,) key index
         slot, ok, bad, tpos = _load_slots(table_ptr, base, j, j < jhi, n_table, size_limit,
-                                          report)
-        nbad += bad.to(tl.int32)
-        first = tl.minimum(first, tl.where(bad, tpos, _BIG))
+                                          report, CHECK)
+        if CHECK:
+            nbad += bad.to(tl.int32)
+            first = tl.minimum(first, tl.where(bad, tpos, _BIG))
         m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, ok, every, kvh, k_s0, k_s1, v_s0, v_s1,
                                 d, dmask, m_i, l_i, acc, qk_scale, F32DOT)
-    cid = call_id.to(tl.int64)
-    _record(err_ptr, nbad, first, (cid + 1) << 32)
-    if kvh == 0:                                                       # each split its keys
-        n_out, key = _outside(base, lo, hi, n_table)
-        _record_one(err_ptr, n_out, (cid << 32) + key)
+    if CHECK:
+        cid = call_id.to(tl.int64)
+        _record(err_ptr, nbad, first, (cid + 1) << 32)
+        if kvh == 0:                                                   # each split its keys
+            n_out, key = _outside(base, lo, hi, n_table)
+            _record_one(err_ptr, n_out, (cid << 32) + key)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                     # empty: acc = 0 -> 0
     if SPLITS == 1:
         tl.store(out_ptr + b * o_s0 + h[:, None] * o_s1 + d[None, :] * o_s2,
@@ -204,7 +218,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
                    m_s0, m_s1, m_s2, n_mask, n_q, n_req, max_ext,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CUSTOM: tl.constexpr,
-                   F32DOT: tl.constexpr):
+                   F32DOT: tl.constexpr, CHECK: tl.constexpr):
     """Program (b, query block, kv head): rows r = (t, g) of BLOCK_M queries x GP heads.
     Query t sits at position prefix + t and sees keys pos < prefix, and window keys
     j = pos - prefix (j < extend_len) with j <= t (causal) or mask[b, t, j] | (j == t).
@@ -244,13 +258,14 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
     first = tl.full([BLOCK_N], _BIG, tl.int64)
     every = tl.full([1, BLOCK_N], 1, tl.int1)
     # 1. the cached prefix: visible to every query (positions outside the table: not read)
-    plo, phi = _in_table(base, 0, prefix, n_table)
+    plo, phi = _in_table(base, 0, prefix, n_table, CHECK)
     for n0 in range(plo, phi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         slot, ok, bad, tpos = _load_slots(table_ptr, base, j, j < phi, n_table, size_limit,
-                                          report)
-        nbad += bad.to(tl.int32)
-        first = tl.minimum(first, tl.where(bad, tpos, _BIG))
+                                          report, CHECK)
+        if CHECK:
+            nbad += bad.to(tl.int32)
+            first = tl.minimum(first, tl.where(bad, tpos, _BIG))
         m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, ok, every, kvh, k_s0, k_s1, v_s0, v_s1,
                                 d, dmask, m_i, l_i, acc, qk_scale, F32DOT)
     # 2. the extend window: causal stops after this block's last query; a tree mask may look
@@ -259,14 +274,15 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
         hi = ext
     else:
         hi = tl.minimum(ext, (mb + 1) * BLOCK_M)
-    wlo, whi = _in_table(base + prefix, 0, hi, n_table)
+    wlo, whi = _in_table(base + prefix, 0, hi, n_table, CHECK)
     for n0 in range(wlo, whi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)                    # (N,) window index
         live = j < whi
         slot, ok, bad, tpos = _load_slots(table_ptr, base + prefix, j, live, n_table,
-                                          size_limit, report)
-        nbad += bad.to(tl.int32)
-        first = tl.minimum(first, tl.where(bad, tpos, _BIG))
+                                          size_limit, report, CHECK)
+        if CHECK:
+            nbad += bad.to(tl.int32)
+            first = tl.minimum(first, tl.where(bad, tpos, _BIG))
         if CUSTOM:
             mm = (t < n_mask)[:, None] & ((j < n_mask) & live)[None, :]
             tree = tl.load(mask_ptr + b * m_s0 + t[:, None] * m_s1 + j[None, :] * m_s2,
@@ -276,12 +292,13 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
             visible = j[None, :] <= t[:, None]
         m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, ok, visible, kvh, k_s0, k_s1, v_s0,
                                 v_s1, d, dmask, m_i, l_i, acc, qk_scale, F32DOT)
-    cid = call_id.to(tl.int64)
-    _record(err_ptr, nbad, first, (cid + 1) << 32)
-    if is_rep:
-        n_pre, k_pre = _outside(base, 0, prefix, n_table)
-        n_win, k_win = _outside(base + prefix, 0, hi, n_table)
-        _record_one(err_ptr, n_pre + n_win, (cid << 32) + tl.minimum(k_pre, k_win))
+    if CHECK:
+        cid = call_id.to(tl.int64)
+        _record(err_ptr, nbad, first, (cid + 1) << 32)
+        if is_rep:
+            n_pre, k_pre = _outside(base, 0, prefix, n_table)
+            n_win, k_win = _outside(base + prefix, 0, hi, n_table)
+            _record_one(err_ptr, n_pre + n_win, (cid << 32) + tl.minimum(k_pre, k_win))
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q0 + t)[:, None] * o_s0 + h[:, None] * o_s1 + d[None, :] * o_s2,
              o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
@@ -345,7 +362,7 @@ def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scal
         call_id, size_limit, table.numel(), scale * _LOG2E, *q.stride(), *out.stride(),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         H=H, G=G, GP=GP, D=D, DP=DP, BLOCK_N=block_n, SPLITS=num_splits,
-        F32DOT=_f32_dot(q.dtype), num_warps=4)
+        F32DOT=_f32_dot(q.dtype), CHECK=checks_enabled(), num_warps=4)
     if num_splits > 1:
         _merge_kernel[(B, H)](mid_o, mid_lse, out, *out.stride(), H=H, D=D, DP=DP,
                               SPLITS=num_splits, SP=triton.next_power_of_2(num_splits),
@@ -377,6 +394,7 @@ def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, 
         *out.stride(), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
         v_buffer.stride(1), *ms, mask.shape[1] if custom else 0, T, B, max_extend,
         G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m, BLOCK_N=block_n, CUSTOM=custom,
-        F32DOT=_f32_dot(q.dtype), num_warps=8 if block_m * GP >= 128 else 4)
+        F32DOT=_f32_dot(q.dtype), CHECK=checks_enabled(),
+        num_warps=8 if block_m * GP >= 128 else 4)
     guard.after_launch()
     return out

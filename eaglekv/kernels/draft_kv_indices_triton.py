@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eaglekv.kernels.guard import device_assert_enabled, kv_guard
+from eaglekv.kernels.guard import checks_enabled, device_assert_enabled, kv_guard
 
 _BIG = tl.constexpr(2**62)   # larger than any flat position: the neutral element of min
 DECODE_BLOCK = 256           # segment elements per loop iteration of the decode kernel
@@ -53,39 +53,42 @@ def _assign_kernel(rtt_ptr, rtt_s0, rtt_s1, rows_ptr, lens_ptr, loc_ptr, copy_pt
                    c_s0, c_s1, c_s2, pos_ptr, err_ptr, row_key, pos_key, B, R, W,
                    K: tl.constexpr, S: tl.constexpr, PS: tl.constexpr, COPY: tl.constexpr,
                    BB: tl.constexpr, BKS: tl.constexpr, BCP: tl.constexpr,
-                   ASSERT: tl.constexpr):
+                   ASSERT: tl.constexpr, CHECK: tl.constexpr):
     """Program b writes request b's draft slots (and copied partial pages) into req_to_token,
     but only if every row and position of the whole batch is in range (each program checks
     the batch: B is small), so a bad request leaves the table untouched."""
     # 1. the batch check: row in [0, R), lowest position L >= 0, highest L + (K-1)*stride + S-1 < W
     n_bad = tl.zeros([BB], dtype=tl.int32)
-    for b0 in range(0, B, BB):
-        bb = b0 + tl.arange(0, BB)                         # (BB,)
-        mb = bb < B
-        Ls = tl.load(lens_ptr + bb, mask=mb, other=0).to(tl.int64)
-        rs = tl.load(rows_ptr + bb, mask=mb, other=0).to(tl.int64)
-        _, st, _ = _geometry(Ls, S, PS)
-        hi = Ls + (K - 1) * st + (S - 1)
-        n_bad += (mb & ((rs < 0) | (rs >= R) | (Ls < 0) | (hi >= W))).to(tl.int32)
+    if CHECK:                                              # (off: measurement only)
+        for b0 in range(0, B, BB):
+            bb = b0 + tl.arange(0, BB)                     # (BB,)
+            mb = bb < B
+            Ls = tl.load(lens_ptr + bb, mask=mb, other=0).to(tl.int64)
+            rs = tl.load(rows_ptr + bb, mask=mb, other=0).to(tl.int64)
+            _, st, _ = _geometry(Ls, S, PS)
+            hi = Ls + (K - 1) * st + (S - 1)
+            n_bad += (mb & ((rs < 0) | (rs >= R) | (Ls < 0) | (hi >= W))).to(tl.int32)
     batch_ok = tl.sum(n_bad, axis=0) == 0
     # 2. this request: report its bad row / positions, then write
     b = tl.program_id(0).to(tl.int64)
     L = tl.load(lens_ptr + b).to(tl.int64)
     row = tl.load(rows_ptr + b).to(tl.int64)
     last, stride, base = _geometry(L, S, PS)
-    if (row < 0) | (row >= R):
-        tl.atomic_add(err_ptr, tl.full([], 1, tl.int64), sem="relaxed")
-        tl.atomic_min(err_ptr + 1, row_key + b, sem="relaxed")
+    if CHECK:
+        if (row < 0) | (row >= R):
+            tl.atomic_add(err_ptr, tl.full([], 1, tl.int64), sem="relaxed")
+            tl.atomic_min(err_ptr + 1, row_key + b, sem="relaxed")
     e = tl.arange(0, BKS)                                  # (BKS,) flat t*S + s
     t, s = e // S, e % S
     m = e < K * S
     flat = b * (K * S) + e                                 # index into out_cache_loc / pos
     pos = L + t * stride + s                               # (BKS,)
     tl.store(pos_ptr + flat, pos, mask=m)
-    pbad = m & ((pos < 0) | (pos >= W))
-    _record(err_ptr, pbad, flat, pos_key)
-    if ASSERT:
-        tl.device_assert(~pbad, "assign_draft_cache_locs: position past req_to_token width")
+    if CHECK:
+        pbad = m & ((pos < 0) | (pos >= W))
+        _record(err_ptr, pbad, flat, pos_key)
+        if ASSERT:
+            tl.device_assert(~pbad, "assign_draft_cache_locs: position past req_to_token width")
     ok = m & ((tl.zeros([BKS], dtype=tl.int32) + batch_ok.to(tl.int32)) != 0)
     loc = tl.load(loc_ptr + flat, mask=ok, other=0)
     tl.store(rtt_ptr + row * rtt_s0 + pos * rtt_s1, loc.to(rtt_ptr.dtype.element_ty), mask=ok)
@@ -106,7 +109,8 @@ def _decode_kv_indices_kernel(rtt_ptr, rtt_s0, rtt_s1, rows_ptr, lens_ptr, start
                               kv_ptr, kv_s0, kv_s1, ip_ptr, ip_s0, ip_s1, pos_ptr, err_ptr,
                               row_key, pos_key, slot_key, B, R, W, width, size_limit,
                               K: tl.constexpr, S: tl.constexpr, PS: tl.constexpr,
-                              BS: tl.constexpr, BLOCK: tl.constexpr, ASSERT: tl.constexpr):
+                              BS: tl.constexpr, BLOCK: tl.constexpr, ASSERT: tl.constexpr,
+                              CHECK: tl.constexpr):
     """Program (b*K + t, step): the segment of branch (b, t) in row `step` of kv_indices.
 
     Element i < L_b + it of the segment is `req_to_token[row_b, i + (i >= base_b)*t*stride_b]`.
@@ -128,17 +132,21 @@ def _decode_kv_indices_kernel(rtt_ptr, rtt_s0, rtt_s1, rows_ptr, lens_ptr, start
         tl.store(ip_ptr + step * ip_s0 + (br + 1) * ip_s1,
                  (off + L + it).to(ip_ptr.dtype.element_ty))
     last_step = step == S - 1
-    row_ok = (row >= 0) & (row < R)
-    if last_step & (t == 0) & (~row_ok):
-        tl.atomic_add(err_ptr, tl.full([], 1, tl.int64), sem="relaxed")
-        tl.atomic_min(err_ptr + 1, row_key + b, sem="relaxed")
+    if CHECK:
+        row_ok = (row >= 0) & (row < R)
+        if last_step & (t == 0) & (~row_ok):
+            tl.atomic_add(err_ptr, tl.full([], 1, tl.int64), sem="relaxed")
+            tl.atomic_min(err_ptr + 1, row_key + b, sem="relaxed")
+    else:                                                  # measurement only
+        row_ok = row == row
     # positions of this branch's S draft tokens (last step only), checked against W
     s = tl.arange(0, BS)
     ps_m = (s < S) & ((tl.zeros([BS], dtype=tl.int32) + last_step.to(tl.int32)) != 0)
     pos = L + t * stride + s
     tl.store(pos_ptr + br * S + s, pos, mask=ps_m)
-    pbad = ps_m & ((pos < 0) | (pos >= W))
-    _record(err_ptr, pbad, br * S + s, pos_key)
+    if CHECK:
+        pbad = ps_m & ((pos < 0) | (pos >= W))
+        _record(err_ptr, pbad, br * S + s, pos_key)
     row_v = (tl.zeros([BLOCK], dtype=tl.int32) + row_ok.to(tl.int32)) != 0
     report_v = (tl.zeros([BLOCK], dtype=tl.int32) + last_step.to(tl.int32)) != 0
     first_v = (tl.zeros([BLOCK], dtype=tl.int32) + (t == 0).to(tl.int32)) != 0
@@ -147,14 +155,17 @@ def _decode_kv_indices_kernel(rtt_ptr, rtt_s0, rtt_s1, rows_ptr, lens_ptr, start
         i = i0 + tl.arange(0, BLOCK).to(tl.int64)          # (BLOCK,)
         m = i < n
         col = i + tl.where(i >= base, t * stride, 0)
-        lm = m & row_v & (col >= 0) & (col < W)
-        v = tl.load(rtt_ptr + row * rtt_s0 + col * rtt_s1, mask=lm, other=0).to(tl.int64)
-        v_ok = (v >= 0) & (v < size_limit)
-        sbad = lm & (~v_ok) & report_v & (first_v | (i >= base))
-        _record(err_ptr, sbad, row * W + col, slot_key)
-        if ASSERT:
-            tl.device_assert(~(lm & ~v_ok), "draft kv_indices: slot out of range")
-        out = tl.where(lm & v_ok, v, 0)
+        if CHECK:
+            lm = m & row_v & (col >= 0) & (col < W)
+            v = tl.load(rtt_ptr + row * rtt_s0 + col * rtt_s1, mask=lm, other=0).to(tl.int64)
+            v_ok = (v >= 0) & (v < size_limit)
+            sbad = lm & (~v_ok) & report_v & (first_v | (i >= base))
+            _record(err_ptr, sbad, row * W + col, slot_key)
+            if ASSERT:
+                tl.device_assert(~(lm & ~v_ok), "draft kv_indices: slot out of range")
+            out = tl.where(lm & v_ok, v, 0)
+        else:
+            out = tl.load(rtt_ptr + row * rtt_s0 + col * rtt_s1, mask=m, other=0)
         tl.store(kv_ptr + step * kv_s0 + (off + i) * kv_s1, out.to(kv_ptr.dtype.element_ty),
                  mask=m & (off + i < width))
 
@@ -190,7 +201,8 @@ def assign_draft_cache_locs_triton(req_to_token, req_pool_indices, seq_lens, out
         pos_id << 32, B, R, W, K=topk, S=num_steps, PS=page_size, COPY=copy,
         BB=min(256, triton.next_power_of_2(B)), BKS=triton.next_power_of_2(topk * num_steps),
         BCP=triton.next_power_of_2(max(1, (topk - 1) * page_size)),
-        ASSERT=device_assert_enabled(), debug=device_assert_enabled())  # assert needs debug
+        ASSERT=device_assert_enabled(), CHECK=checks_enabled(),
+        debug=device_assert_enabled())  # assert needs debug
     guard.after_launch()
 
 
@@ -218,5 +230,6 @@ def generate_draft_decode_kv_indices_triton(req_to_token, req_pool_indices, seq_
         kv_indptr.stride(0), kv_indptr.stride(1), pos, guard.err, row_id << 32, pos_id << 32,
         slot_id << 32, B, R, W, kv_indices.shape[1], size_limit, K=topk, S=num_steps,
         PS=page_size, BS=triton.next_power_of_2(num_steps), BLOCK=DECODE_BLOCK,
-        ASSERT=device_assert_enabled(), debug=device_assert_enabled())  # assert needs debug
+        ASSERT=device_assert_enabled(), CHECK=checks_enabled(),
+        debug=device_assert_enabled())  # assert needs debug
     guard.after_launch()

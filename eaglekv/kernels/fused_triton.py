@@ -375,7 +375,8 @@ def _rope_store_qkv_kernel(qkv_ptr, s0, s1, s2, cos_ptr, c_s0, c_s1, sin_ptr, n_
                            pos_ptr, p_s0, loc_ptr, l_s0, q_ptr, kc_ptr, vc_ptr, err_ptr,
                            pos_call, slot_call, num_pos, size_limit, H: tl.constexpr,
                            HKV: tl.constexpr, D: tl.constexpr, HB: tl.constexpr,
-                           PB: tl.constexpr, ASSERT: tl.constexpr, BY_HAND: tl.constexpr):
+                           PB: tl.constexpr, ASSERT: tl.constexpr, BY_HAND: tl.constexpr,
+                           CHECK: tl.constexpr):
     """Program (t, hb): heads [hb*HB, (hb+1)*HB) of token t, in one index space over the
     H + 2Hkv heads of qkv:
 
@@ -389,16 +390,21 @@ def _rope_store_qkv_kernel(qkv_ptr, s0, s1, s2, cos_ptr, c_s0, c_s1, sin_ptr, n_
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + t * p_s0).to(tl.int64)
     slot = tl.load(loc_ptr + t * l_s0).to(tl.int64)
-    pos_ok = (pos >= 0) & (pos < num_pos)
-    slot_ok = (slot >= 0) & (slot < size_limit)
+    if CHECK:
+        pos_ok = (pos >= 0) & (pos < num_pos)
+        slot_ok = (slot >= 0) & (slot < size_limit)
+    else:                             # measurement only (guard.unchecked)
+        pos_ok = pos == pos
+        slot_ok = slot == slot
     if ASSERT:
         tl.device_assert(pos_ok & slot_ok, "rope_store_qkv: position or slot out of range")
-    if (hb == 0) & (~pos_ok):         # each bad token counts once, in the program of head 0
-        tl.atomic_add(err_ptr, tl.full([], 1, tl.int64), sem="relaxed")
-        tl.atomic_min(err_ptr + 1, (pos_call.to(tl.int64) << 32) + t, sem="relaxed")
-    if (hb == 0) & (~slot_ok):
-        tl.atomic_add(err_ptr, tl.full([], 1, tl.int64), sem="relaxed")
-        tl.atomic_min(err_ptr + 1, (slot_call.to(tl.int64) << 32) + t, sem="relaxed")
+    if CHECK:
+        if (hb == 0) & (~pos_ok):     # each bad token counts once, in the program of head 0
+            tl.atomic_add(err_ptr, tl.full([], 1, tl.int64), sem="relaxed")
+            tl.atomic_min(err_ptr + 1, (pos_call.to(tl.int64) << 32) + t, sem="relaxed")
+        if (hb == 0) & (~slot_ok):
+            tl.atomic_add(err_ptr, tl.full([], 1, tl.int64), sem="relaxed")
+            tl.atomic_min(err_ptr + 1, (slot_call.to(tl.int64) << 32) + t, sem="relaxed")
     pos = tl.where(pos_ok, pos, 0)    # a bad position reads row 0: q stays defined
     i = tl.arange(0, PB)                                                  # (PB,) pair index
     im = i < D // 2
@@ -431,7 +437,7 @@ def rope_store_qkv_triton(qkv, cos, sin, positions, k_cache, v_cache, out_cache_
                           layer: int | None, check):
     """`check(...)` (fused._check_rope_store's arguments): run on a new signature only."""
     key = (_sig(qkv), _sig(cos), _sig(sin), _sig(positions), _sig(out_cache_loc), _sig(k_cache),
-           _sig(v_cache), num_heads, num_kv_heads, size_limit, FLAGS.device_assert)
+           _sig(v_cache), num_heads, num_kv_heads, size_limit, FLAGS.device_assert, FLAGS.checks)
     hit = _ROPE_STORE_QKV.lookup(key)
     if hit is None:
         check(qkv, cos, sin, positions, k_cache, v_cache, out_cache_loc, num_heads,
@@ -454,7 +460,7 @@ def rope_store_qkv_triton(qkv, cos, sin, positions, k_cache, v_cache, out_cache_
             sin, sin.stride(0), sin.stride(1), positions, positions.stride(0), out_cache_loc,
             out_cache_loc.stride(0), q, k_cache, v_cache, guard.err, pos_call, slot_call,
             cos.shape[0], size_limit, num_heads, num_kv_heads, D, hb, pb, FLAGS.device_assert,
-            not qkv.is_cuda)
+            not qkv.is_cuda, FLAGS.checks)
     # tl.device_assert is compiled in only with debug=True
     _ROPE_STORE_QKV.launch(hit, key, (T, -(-nh // hb)), args, qkv.get_device(),
                            debug=FLAGS.device_assert)

@@ -9,6 +9,12 @@ the normal path costs no extra sync. Outside a step, a guarded call checks at on
 and raises. `EAGLEKV_DEVICE_ASSERT=1` switches the kernels to a hard device assert for
 debugging.
 
+`unchecked()` is for measuring what the checks cost, never for serving: kernels launched and
+graphs captured inside it skip every index check (the Triton kernels are compiled with
+CHECK=False, the torch-op guards return their input, the host checks return at once), so a bad
+index there is the illegal memory access the guards exist to prevent. `eaglekv bench` builds
+its `*_unchecked` modes under it to time a checked step against the same step unchecked.
+
 The environment switches are read once, when this module is imported (a launch-path
 `os.environ` lookup costs ~1 us on a slow host); `reload_env_flags()` reads them again.
 
@@ -33,6 +39,7 @@ NO_ERROR = 2**62
 class EnvFlags:
     device_assert: bool   # EAGLEKV_DEVICE_ASSERT=1: hard device assert instead of the guard
     fast_launch: bool     # EAGLEKV_TRITON_FAST_LAUNCH=0: always go through Triton's dispatch
+    checks: bool = True   # False only inside `unchecked()` (measurement), never from the env
 
     @classmethod
     def from_env(cls) -> "EnvFlags":
@@ -54,9 +61,24 @@ def device_assert_enabled() -> bool:
     return FLAGS.device_assert
 
 
+def checks_enabled() -> bool:
+    return FLAGS.checks
+
+
+@contextmanager
+def unchecked():
+    """Measurement only (see the module docstring): every index check off inside; the
+    kernels compiled and the graphs captured here keep them off when they run later."""
+    prev, FLAGS.checks = FLAGS.checks, False
+    try:
+        yield
+    finally:
+        FLAGS.checks = prev
+
+
 def check_indices(indices: torch.Tensor, limit: int, op: str, low: int = 0) -> None:
     """Raise `KVIndexError` unless every index lies in `[low, limit)` (one host sync)."""
-    if indices.numel() == 0:
+    if indices.numel() == 0 or not FLAGS.checks:
         return
     lo, hi = torch.aminmax(indices)
     if int(lo) < low or int(hi) >= limit:
@@ -158,6 +180,8 @@ def guard_indices(indices: torch.Tensor, limit: int, op: str, layer: int | None 
     """Indices safe to address with: on CPU, checked at once (raises `KVIndexError`); on CUDA,
     bad entries are recorded in the device error buffer (no sync) and replaced by slot 0, the
     padding page, so the gather or scatter that follows stays inside its buffer."""
+    if not FLAGS.checks:
+        return indices
     if not indices.is_cuda:
         check_indices(indices, limit, op, low)
         return indices
@@ -184,6 +208,8 @@ def guard_segments(starts: torch.Tensor, lens: tuple[int, ...], width: int,
     the first wrong offset and where it had to be); CUDA: the range alone, through the device
     error buffer (no sync)."""
     n = len(lens)
+    if not FLAGS.checks:
+        return starts
     if not starts.is_cuda:
         want = 0
         for i, s in enumerate(starts[:n].tolist()):
@@ -204,6 +230,8 @@ def guard_path(path: torch.Tensor, parent: torch.Tensor, op: str) -> torch.Tenso
     d is a child of the node at depth d-1; -1 only after the last accepted node), else
     `KVIndexError` naming the node; parent (B, N) is the tree's parent table."""
     N = parent.shape[1]
+    if not FLAGS.checks:
+        return path
     path = guard_indices(path, N, op, low=-1)
     if path.is_cuda:
         return path

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from eaglekv.kernels.guard import check_indices
+from eaglekv.kernels.guard import check_indices, checks_enabled
 
 
 # The ownership checked mode (memory/ownership.py): a cache's storage data_ptr -> a check
@@ -122,6 +122,7 @@ def store_cache(k, v, k_cache, v_cache, indices, *, row_bytes: int = 0, num_spli
         return store_cache_torch(k, v, k_cache, v_cache, indices, row_bytes=row_bytes,
                                  num_split=num_split, size_limit=size_limit)
     st = _triton_impl()
+    checked = checked and checks_enabled()
     if st.fast_launch_enabled():
         st.store_cache_triton_fast(k, v, k_cache, v_cache, indices, row_bytes, num_split,
                                    size_limit, layer, checked, resolve_args)

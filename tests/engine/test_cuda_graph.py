@@ -117,3 +117,23 @@ def test_guard_inside_replayed_graph(tiny_dir, where):
     assert engine.allocator.is_full()
     assert engine.generate([PROMPTS[0]], SP)[0].token_ids == ref
     engine.check_memory()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "eagle-S5"])
+def test_unchecked_engine_makes_the_same_tokens(tiny_dir, device, speculative):
+    """The bench's `*_unchecked` modes (what the index checks cost): an engine built and run
+    under `guard.unchecked()` (on CUDA its graphs captured so) makes the checked engine's
+    tokens, and leaves the switch on afterwards."""
+    from eaglekv.kernels import guard
+    from helpers import spec
+    kw = {"speculative": spec("eagle", 5, 1, 6)} if speculative else {}
+    want = [o.token_ids for o in tiny_engine(tiny_dir, device=device, max_running_requests=4,
+                                             **kw).generate(PROMPTS, SP)]
+    with guard.unchecked():
+        engine = tiny_engine(tiny_dir, device=device, max_running_requests=4, **kw)
+        got = [o.token_ids for o in engine.generate(PROMPTS, SP)]
+    assert got == want
+    assert guard.checks_enabled()
+    engine.check_memory()

@@ -611,3 +611,58 @@ def test_outside_key_round_trip():
     tp = TablePositions(1000)
     assert tp.reshape(-1) is tp and tp.numel() == 1000
     assert [tp[0], tp[7], tp[2**31], tp[2**31 + 4]] == [1000, 1007, -1, -5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unchecked_kernels_equal_the_checked_ones(dtype):
+    """`guard.unchecked()` (the bench's measure of what the checks cost) compiles decode and
+    extend with CHECK=False: on valid tables their outputs are the checked kernels' bit for
+    bit (split-K, paged and indptr tables, causal and tree masks), and no error is recorded."""
+    from eaglekv.kernels import guard
+    H, hkv, D = 9, 3, 64
+    g = torch.Generator().manual_seed(11)
+    for B, splits, layout in [(1, 3, "page1"), (3, 1, "page16"), (3, 3, "indptr")]:
+        lens = [70, 1, 2][:B]
+        table, start, rows = make_table(layout, lens, g)
+        kb, vb = kv_buffers(rows, hkv, D, dtype, g)
+        q = torch.randn(B, H, D, generator=g).to(dtype)
+        args = to_dev(q, kb, vb, table, start, torch.tensor(lens))
+        checked = decode_attention(*args, D ** -0.5, size_limit=rows, num_splits=splits)
+        with guard.unchecked():
+            bare = decode_attention(*args, D ** -0.5, size_limit=rows, num_splits=splits)
+        assert torch.equal(bare, checked)
+    pre, ext = [70, 0, 5], [4, 3, 1]
+    for mask, layout in [(None, "page1"), (TREE, "page16"), (None, "indptr")]:
+        table, start, rows = make_table(layout, [p + e for p, e in zip(pre, ext)], g)
+        kb, vb = kv_buffers(rows, hkv, D, dtype, g)
+        q = torch.randn(sum(ext), H, D, generator=g).to(dtype)
+        m = None if mask is None else mask.expand(3, 4, 4).clone().to(DEV)
+        args = to_dev(q, kb, vb, table, start, torch.tensor(pre), torch.tensor(ext),
+                      torch.tensor([0, 4, 7]))
+        checked = extend_attention(*args, D ** -0.5, size_limit=rows, mask=m, max_extend=4)
+        with guard.unchecked():
+            bare = extend_attention(*args, D ** -0.5, size_limit=rows, mask=m, max_extend=4)
+        assert torch.equal(bare, checked)
+    assert guard.checks_enabled()
+    assert kv_guard(DEV).err.tolist() == [0, guard.NO_ERROR]
+
+
+def test_unchecked_kernels_really_skip_the_check():
+    """The switch is real: a slot at the size limit (inside the buffer) is refused by the
+    checked kernel and read, unreported, by the unchecked one."""
+    from eaglekv.kernels import guard
+    H, hkv, D = 4, 4, 64
+    g = torch.Generator().manual_seed(5)
+    table, start, rows = make_table("page1", [9], g)
+    kb, vb = kv_buffers(rows, hkv, D, torch.float32, g)
+    q = torch.randn(1, H, D, generator=g)
+    top = int(table[int(start[0]):int(start[0]) + 9].max())          # a slot it reads
+    ref = decode_attention_torch(q, kb, vb, table, start, torch.tensor([9]), D ** -0.5,
+                                 size_limit=rows)
+    args = to_dev(q, kb, vb, table, start, torch.tensor([9]))
+    with pytest.raises(KVIndexError, match="decode_attention"):
+        decode_attention(*args, D ** -0.5, size_limit=top, num_splits=1)
+    with guard.unchecked():
+        bare = decode_attention(*args, D ** -0.5, size_limit=top, num_splits=1)
+    close(bare, ref, torch.float32)
+    assert kv_guard(DEV).err.tolist() == [0, guard.NO_ERROR]

@@ -177,3 +177,24 @@ def test_deferred_decode_error_waits_for_raise_if_error():
     guard.raise_if_error()     # cleared
     # branch 0: slots 6, 7, 0 (bad -> 0), then draft 9; branch 1: 6, 7, 0, then draft 10
     assert kv[0, :8].tolist() == [6, 7, 0, 9, 6, 7, 0, 10] and ip[0].tolist() == [0, 4, 8]
+
+
+@pytest.mark.parametrize("B,K,S,ps", [(3, 1, 5, 1), (3, 2, 3, 4), (1, 4, 3, 16)])
+def test_unchecked_kernels_equal_the_reference(B, K, S, ps):
+    """`guard.unchecked()` compiles both draft-index kernels with CHECK=False (the bench's
+    measure of what the checks cost): on valid rows, positions and slots they write what the
+    reference writes."""
+    from eaglekv.kernels import guard
+    lens, rows, table = case(B, K, S, ps, seed=2)
+    loc = torch.randperm(B * K * S) + 7
+    copy = (torch.randint(0, LIMIT, (B, K - 1, ps)) if ps > 1 and K > 1 else None)
+    want = table.clone()
+    assign_draft_cache_locs_torch(want, *[x.cpu() for x in tensors(lens, rows)], loc, K, S, ps,
+                                  copy)
+    got = table.to(DEV)
+    with guard.unchecked():
+        assign_draft_cache_locs(got, *tensors(lens, rows), loc.to(DEV), K, S, ps,
+                                None if copy is None else copy.to(DEV))
+        (rk, rp), (gk, gp) = run_both(lens, rows, table, K, S, ps, torch.int32)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(gk, rk) and torch.equal(gp, rp)

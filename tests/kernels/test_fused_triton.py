@@ -668,3 +668,18 @@ def test_gemv_takes_only_decode_rows_of_column_major_weights(monkeypatch):
     assert not fused.use_gemv(randn(1, 64), w)
     with pytest.raises(ValueError, match=r"gemv: w has shape \(32, 8\), expected \(64, \*\)"):
         fused.gemv(randn(2, 64), randn(32, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_unchecked_equals_checked(dtype):
+    """`guard.unchecked()` compiles rope_store_qkv with CHECK=False (a launch signature of its
+    own): q and both caches are the checked kernel's bit for bit on valid slots."""
+    from eaglekv.kernels import guard
+    qkv, pos, loc, kc, vc = rope_case(5, 9, 3, 64, dtype, torch.int64, seed=4)
+    _, cos, sin = rope_tables(64)
+    checked = run_rope(rope_store_qkv, qkv, cos, sin, pos, loc, kc, vc, 9, 3)
+    with guard.unchecked():
+        bare = run_rope(rope_store_qkv, qkv, cos, sin, pos, loc, kc, vc, 9, 3)
+    assert all(torch.equal(a, b) for a, b in zip(bare, checked))
+    again = run_rope(rope_store_qkv, qkv, cos, sin, pos, loc, kc, vc, 9, 3)  # checked again
+    assert all(torch.equal(a, b) for a, b in zip(again, checked))

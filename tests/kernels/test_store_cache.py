@@ -409,3 +409,22 @@ def test_tensors_on_different_devices_rejected():
                                          r"k_cache on meta"):
         store_cache(k, k, torch.zeros(8, 4, device="meta"), torch.zeros(8, 4),
                     torch.tensor([0, 1]))
+
+
+def test_unchecked_switch_is_scoped():
+    """`guard.unchecked()` (measurement only) lets the host checks and the torch-op guards
+    pass a bad index through, and only inside it: the switch is back on after the block,
+    also when the block raises."""
+    from eaglekv.kernels import guard
+    bad = torch.tensor([0, 9])
+    with guard.unchecked():
+        assert not guard.checks_enabled()
+        guard.check_indices(bad, 5, "test")                           # no raise
+        assert guard.guard_indices(bad, 5, "test") is bad
+        assert guard.guard_segments(torch.tensor([0, 7]), (3, 2), 4, "test")[1] == 7
+    assert guard.checks_enabled()
+    with pytest.raises(KVIndexError):
+        guard.check_indices(bad, 5, "test")
+    with pytest.raises(RuntimeError), guard.unchecked():
+        raise RuntimeError("inside")
+    assert guard.checks_enabled()
