@@ -39,15 +39,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _record(err_ptr, nbad, first, key_base):
-    """err[0] += sum(nbad); err[1] = min(err[1], key_base + min(first)) (only if any bad)."""
-    n = tl.sum(nbad.to(tl.int64), axis=0)
-    if n > 0:
-        tl.atomic_add(err_ptr, n, sem="relaxed")
-        tl.atomic_min(err_ptr + 1, key_base + tl.min(first, axis=0), sem="relaxed")
-
-
-@triton.jit
 def _record_one(err_ptr, n, key):
     """err[0] += n; err[1] = min(err[1], key) (only if n > 0): scalars."""
     if n > 0:
@@ -83,22 +74,27 @@ def _in_table(base, lo, hi, n_table, CHECK: tl.constexpr):
 
 
 @triton.jit
-def _load_slots(table_ptr, base, j, live, n_table, size_limit, report, CHECK: tl.constexpr):
-    """Slots `table[base + j]` for the live lanes (BLOCK_N,): returns (slot or 0, ok, bad,
-    tpos); `bad` marks the lanes this program reports (`report`: a (BLOCK_N,) bool).
-    CHECK=False (measurement only, `guard.unchecked`): the slots as they are, none bad."""
+def _load_slots(table_ptr, base, j, live, n_table, size_limit, report, err_ptr, key_base,
+                CHECK: tl.constexpr):
+    """Slots `table[base + j]` for the live lanes (BLOCK_N,): returns (slot or 0, ok). A bad
+    slot of a lane this program reports (`report`: a (BLOCK_N,) bool) is recorded at once by
+    that lane's own atomics (masked off on every good lane: no counters carried through the
+    loop, no reduction at the end), keyed `key_base + table position`.
+    CHECK=False (measurement only, `guard.unchecked`): the slots as they are."""
     tpos = base + j                                                    # (BLOCK_N,) int64
     if CHECK:
         in_table = live & (tpos >= 0) & (tpos < n_table)
         slot = tl.load(table_ptr + tpos, mask=in_table, other=0).to(tl.int64)
         ok = in_table & (slot >= 0) & (slot < size_limit)
         bad = in_table & (~ok) & report
+        zero = tpos * 0
+        tl.atomic_add(err_ptr + zero, zero + 1, mask=bad, sem="relaxed")
+        tl.atomic_min(err_ptr + 1 + zero, key_base + tpos, mask=bad, sem="relaxed")
         slot = tl.where(ok, slot, 0)
     else:
         slot = tl.load(table_ptr + tpos, mask=live, other=0).to(tl.int64)
         ok = live
-        bad = live & (~report) & report                                # all False
-    return slot, ok, bad, tpos
+    return slot, ok
 
 
 @triton.jit
@@ -157,22 +153,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
     report = (tl.zeros([BLOCK_N], tl.int32) + (kvh == 0).to(tl.int32)) != 0
-    nbad = tl.zeros([BLOCK_N], tl.int32)
-    first = tl.full([BLOCK_N], _BIG, tl.int64)
+    cid = call_id.to(tl.int64)
     every = tl.full([1, BLOCK_N], 1, tl.int1)                          # no causal mask
     jlo, jhi = _in_table(base, lo, hi, n_table, CHECK)                 # the rest: not read
     for n0 in range(jlo, jhi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)                    # (BLOCK_N,) key index
-        slot, ok, bad, tpos = _load_slots(table_ptr, base, j, j < jhi, n_table, size_limit,
-                                          report, CHECK)
-        if CHECK:
-            nbad += bad.to(tl.int32)
-            first = tl.minimum(first, tl.where(bad, tpos, _BIG))
+        slot, ok = _load_slots(table_ptr, base, j, j < jhi, n_table, size_limit, report,
+                               err_ptr, (cid + 1) << 32, CHECK)
         m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, ok, every, kvh, k_s0, k_s1, v_s0, v_s1,
                                 d, dmask, m_i, l_i, acc, qk_scale, F32DOT)
     if CHECK:
-        cid = call_id.to(tl.int64)
-        _record(err_ptr, nbad, first, (cid + 1) << 32)
         if kvh == 0:                                                   # each split its keys
             n_out, key = _outside(base, lo, hi, n_table)
             _record_one(err_ptr, n_out, (cid << 32) + key)
@@ -254,18 +244,14 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
     acc = tl.zeros([BLOCK_M * GP, DP], tl.float32)
     is_rep = (kvh == 0) & (mb == tl.minimum((ext - 1) // BLOCK_M, tl.num_programs(1) - 1))
     report = (tl.zeros([BLOCK_N], tl.int32) + is_rep.to(tl.int32)) != 0
-    nbad = tl.zeros([BLOCK_N], tl.int32)
-    first = tl.full([BLOCK_N], _BIG, tl.int64)
+    cid = call_id.to(tl.int64)
     every = tl.full([1, BLOCK_N], 1, tl.int1)
     # 1. the cached prefix: visible to every query (positions outside the table: not read)
     plo, phi = _in_table(base, 0, prefix, n_table, CHECK)
     for n0 in range(plo, phi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        slot, ok, bad, tpos = _load_slots(table_ptr, base, j, j < phi, n_table, size_limit,
-                                          report, CHECK)
-        if CHECK:
-            nbad += bad.to(tl.int32)
-            first = tl.minimum(first, tl.where(bad, tpos, _BIG))
+        slot, ok = _load_slots(table_ptr, base, j, j < phi, n_table, size_limit, report,
+                               err_ptr, (cid + 1) << 32, CHECK)
         m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, ok, every, kvh, k_s0, k_s1, v_s0, v_s1,
                                 d, dmask, m_i, l_i, acc, qk_scale, F32DOT)
     # 2. the extend window: causal stops after this block's last query; a tree mask may look
@@ -278,11 +264,8 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
     for n0 in range(wlo, whi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)                    # (N,) window index
         live = j < whi
-        slot, ok, bad, tpos = _load_slots(table_ptr, base + prefix, j, live, n_table,
-                                          size_limit, report, CHECK)
-        if CHECK:
-            nbad += bad.to(tl.int32)
-            first = tl.minimum(first, tl.where(bad, tpos, _BIG))
+        slot, ok = _load_slots(table_ptr, base + prefix, j, live, n_table, size_limit, report,
+                               err_ptr, (cid + 1) << 32, CHECK)
         if CUSTOM:
             mm = (t < n_mask)[:, None] & ((j < n_mask) & live)[None, :]
             tree = tl.load(mask_ptr + b * m_s0 + t[:, None] * m_s1 + j[None, :] * m_s2,
@@ -293,8 +276,6 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
         m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, ok, visible, kvh, k_s0, k_s1, v_s0,
                                 v_s1, d, dmask, m_i, l_i, acc, qk_scale, F32DOT)
     if CHECK:
-        cid = call_id.to(tl.int64)
-        _record(err_ptr, nbad, first, (cid + 1) << 32)
         if is_rep:
             n_pre, k_pre = _outside(base, 0, prefix, n_table)
             n_win, k_win = _outside(base + prefix, 0, hi, n_table)

@@ -187,15 +187,31 @@ def guard_indices(indices: torch.Tensor, limit: int, op: str, layer: int | None 
         return indices
     guard = kv_guard(indices.device)
     call_id = guard.register(op, limit, indices, layer, dense=low == 0)
-    flat = indices.reshape(-1)
+    flat = indices.reshape(-1).contiguous()
+    if _USE_TORCH_OPS:
+        safe = guard_range_torch(flat, low, limit, guard.err, call_id << 32)
+    else:
+        from eaglekv.kernels.guard_triton import guard_range_triton
+        safe = guard_range_triton(flat, low, limit, guard.err, call_id << 32)
+    guard.after_launch()
+    return safe.view(indices.shape)
+
+
+_USE_TORCH_OPS = False     # tests: the reference below instead of the Triton kernel
+
+
+def guard_range_torch(flat: torch.Tensor, low: int, limit: int, err: torch.Tensor,
+                      key_base: int) -> torch.Tensor:
+    """Reference of `guard_triton.guard_range_triton` in torch ops (no host sync): a copy of
+    flat with bad entries 0; err[0] += their count, err[1] = min(err[1], key_base + first)."""
+    if flat.numel() == 0:
+        return flat.clone()
     bad = (flat < low) | (flat >= limit)                                   # (n,)
     pos = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64)
-    key = torch.where(bad, pos + (call_id << 32), torch.full_like(pos, NO_ERROR)).amin()
-    guard.err[0] += bad.sum()
-    torch.minimum(guard.err[1], key, out=guard.err[1:2].view(()))
-    safe = torch.where(bad, torch.zeros_like(flat), flat).view(indices.shape)
-    guard.after_launch()
-    return safe
+    key = torch.where(bad, pos + key_base, torch.full_like(pos, NO_ERROR)).amin()
+    err[0] += bad.sum()
+    torch.minimum(err[1], key, out=err[1:2].view(()))
+    return torch.where(bad, torch.zeros_like(flat), flat)
 
 
 def guard_segments(starts: torch.Tensor, lens: tuple[int, ...], width: int,
