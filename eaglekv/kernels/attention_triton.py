@@ -36,6 +36,8 @@ _LOG2E = 1.4426950408889634
 _HALF = tl.constexpr(2**31)     # table-position keys: [0, HALF) past the end, [HALF, 2**32) < 0
 _MAX_CALL_ID = 2**31 - 2        # call_id and call_id + 1 are passed as i32
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CHECK_LEVEL = 1     # (exploring) 1: rows read only through good slots; 2: rows read through
+                    # the clamped slot, bad keys masked from the scores; 3: 2 without recording
 
 
 @triton.jit
@@ -82,27 +84,34 @@ def _load_slots(table_ptr, base, j, live, n_table, size_limit, report, err_ptr, 
     loop, no reduction at the end), keyed `key_base + table position`.
     CHECK=False (measurement only, `guard.unchecked`): the slots as they are."""
     tpos = base + j                                                    # (BLOCK_N,) int64
-    if CHECK:
+    if CHECK > 0:
         in_table = live & (tpos >= 0) & (tpos < n_table)
         slot = tl.load(table_ptr + tpos, mask=in_table, other=0).to(tl.int64)
         ok = in_table & (slot >= 0) & (slot < size_limit)
         bad = in_table & (~ok) & report
-        zero = tpos * 0
-        tl.atomic_add(err_ptr + zero, zero + 1, mask=bad, sem="relaxed")
-        tl.atomic_min(err_ptr + 1 + zero, key_base + tpos, mask=bad, sem="relaxed")
+        if CHECK != 3:
+            zero = tpos * 0
+            tl.atomic_add(err_ptr + zero, zero + 1, mask=bad, sem="relaxed")
+            tl.atomic_min(err_ptr + 1 + zero, key_base + tpos, mask=bad, sem="relaxed")
         slot = tl.where(ok, slot, 0)
+        if CHECK == 1:
+            load = ok
+        else:
+            load = in_table
     else:
         slot = tl.load(table_ptr + tpos, mask=live, other=0).to(tl.int64)
         ok = live
-    return slot, ok
+        load = live
+    return slot, load, ok
 
 
 @triton.jit
-def _attend(q, k_ptr, v_ptr, slot, ok, visible, kvh, k_s0, k_s1, v_s0, v_s1, d, dmask,
+def _attend(q, k_ptr, v_ptr, slot, load, ok, visible, kvh, k_s0, k_s1, v_s0, v_s1, d, dmask,
             m_i, l_i, acc, qk_scale, F32DOT: tl.constexpr):
-    """One key tile, online softmax. q (M, DP); slot/ok (N,); visible (M, N) or (1, N).
-    Offsets are int64: slot * row stride passes 2**31 on large pools."""
-    kv_mask = ok[:, None] & dmask[None, :]                             # (N, DP)
+    """One key tile, online softmax. q (M, DP); slot/load/ok (N,): the rows read, the keys
+    that count; visible (M, N) or (1, N). Offsets are int64: slot * row stride passes 2**31
+    on large pools."""
+    kv_mask = load[:, None] & dmask[None, :]                           # (N, DP)
     k = tl.load(k_ptr + slot[:, None] * k_s0 + kvh * k_s1 + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + slot[:, None] * v_s0 + kvh * v_s1 + d[None, :], mask=kv_mask, other=0.0)
     if F32DOT:   # fp32 products, not tf32 (fp32 inputs; bf16 under the interpreter)
@@ -158,9 +167,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
     jlo, jhi = _in_table(base, lo, hi, n_table, CHECK)                 # the rest: not read
     for n0 in range(jlo, jhi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)                    # (BLOCK_N,) key index
-        slot, ok = _load_slots(table_ptr, base, j, j < jhi, n_table, size_limit, report,
+        slot, load, ok = _load_slots(table_ptr, base, j, j < jhi, n_table, size_limit, report,
                                err_ptr, (cid + 1) << 32, CHECK)
-        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, ok, every, kvh, k_s0, k_s1, v_s0, v_s1,
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, load, ok, every, kvh, k_s0, k_s1, v_s0, v_s1,
                                 d, dmask, m_i, l_i, acc, qk_scale, F32DOT)
     if CHECK:
         if kvh == 0:                                                   # each split its keys
@@ -250,9 +259,9 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
     plo, phi = _in_table(base, 0, prefix, n_table, CHECK)
     for n0 in range(plo, phi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        slot, ok = _load_slots(table_ptr, base, j, j < phi, n_table, size_limit, report,
+        slot, load, ok = _load_slots(table_ptr, base, j, j < phi, n_table, size_limit, report,
                                err_ptr, (cid + 1) << 32, CHECK)
-        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, ok, every, kvh, k_s0, k_s1, v_s0, v_s1,
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, load, ok, every, kvh, k_s0, k_s1, v_s0, v_s1,
                                 d, dmask, m_i, l_i, acc, qk_scale, F32DOT)
     # 2. the extend window: causal stops after this block's last query; a tree mask may look
     # anywhere in the window
@@ -264,7 +273,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
     for n0 in range(wlo, whi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)                    # (N,) window index
         live = j < whi
-        slot, ok = _load_slots(table_ptr, base + prefix, j, live, n_table, size_limit, report,
+        slot, load, ok = _load_slots(table_ptr, base + prefix, j, live, n_table, size_limit, report,
                                err_ptr, (cid + 1) << 32, CHECK)
         if CUSTOM:
             mm = (t < n_mask)[:, None] & ((j < n_mask) & live)[None, :]
@@ -273,7 +282,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
             visible = (tree != 0) | (j[None, :] == t[:, None])
         else:
             visible = j[None, :] <= t[:, None]
-        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, ok, visible, kvh, k_s0, k_s1, v_s0,
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, load, ok, visible, kvh, k_s0, k_s1, v_s0,
                                 v_s1, d, dmask, m_i, l_i, acc, qk_scale, F32DOT)
     if CHECK:
         if is_rep:
@@ -343,7 +352,7 @@ def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scal
         call_id, size_limit, table.numel(), scale * _LOG2E, *q.stride(), *out.stride(),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         H=H, G=G, GP=GP, D=D, DP=DP, BLOCK_N=block_n, SPLITS=num_splits,
-        F32DOT=_f32_dot(q.dtype), CHECK=checks_enabled(), num_warps=4)
+        F32DOT=_f32_dot(q.dtype), CHECK=CHECK_LEVEL if checks_enabled() else 0, num_warps=4)
     if num_splits > 1:
         _merge_kernel[(B, H)](mid_o, mid_lse, out, *out.stride(), H=H, D=D, DP=DP,
                               SPLITS=num_splits, SP=triton.next_power_of_2(num_splits),
@@ -375,7 +384,7 @@ def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, 
         *out.stride(), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
         v_buffer.stride(1), *ms, mask.shape[1] if custom else 0, T, B, max_extend,
         G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m, BLOCK_N=block_n, CUSTOM=custom,
-        F32DOT=_f32_dot(q.dtype), CHECK=checks_enabled(),
+        F32DOT=_f32_dot(q.dtype), CHECK=CHECK_LEVEL if checks_enabled() else 0,
         num_warps=8 if block_m * GP >= 128 else 4)
     guard.after_launch()
     return out

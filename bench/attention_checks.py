@@ -1,0 +1,110 @@
+"""What the attention kernels' index checks cost, and which way of checking costs least
+(issue 13: checked vs unchecked within 1%). For each CHECK variant of
+`attention_triton._load_slots` (0 unchecked; 1 rows read only through good slots; 2 rows read
+through the clamped slot, bad keys masked from the scores; 3 = 2 without recording), the
+S5 verify's extend (6 queries over a 300-key prefix) and a decode (300 keys) of SmolLM2's
+shape (9 query heads, 3 kv heads, 64 dims, bf16) at batch 1 and 64: 30 launches captured in
+one CUDA graph (as a step replays them), the graph timed with CUDA events, median of 30,
+variants alternating. Writes JSON to --out.
+
+    python bench/attention_checks.py --out bench/results/attention_checks_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+
+import torch
+
+from eaglekv.kernels import attention_triton as at
+from eaglekv.kernels import guard
+from eaglekv.kernels.attention import decode_attention, default_num_splits, extend_attention
+
+H, HKV, D, PREFIX, N, LAYERS = 9, 3, 64, 300, 6, 30
+
+
+def case(B: int):
+    g = torch.Generator(device="cuda").manual_seed(B)
+    slots = B * (PREFIX + N) + 64
+    kb = torch.randn(slots, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    vb = torch.randn(slots, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    table = (torch.randperm(slots - 1, device="cuda", generator=g)[:B * (PREFIX + N)] + 1
+             ).to(torch.int32)
+    start = torch.arange(B, device="cuda") * (PREFIX + N)
+    return kb, vb, table, start, slots
+
+
+def runner(kind: str, B: int):
+    kb, vb, table, start, slots = case(B)
+    if kind == "extend":
+        q = torch.randn(B * N, H, D, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        pre = torch.full((B,), PREFIX, device="cuda")
+        ext = torch.full((B,), N, device="cuda")
+        qs = torch.arange(B, device="cuda") * N
+        mask = torch.ones(B, N, N, dtype=torch.bool, device="cuda").tril()
+        return lambda: extend_attention(q, kb, vb, table, start, pre, ext, qs, D ** -0.5,
+                                        size_limit=slots, mask=mask, max_extend=N, out=out)
+    q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    lens = torch.full((B,), PREFIX, device="cuda")
+    splits = default_num_splits(B, HKV, PREFIX + N)
+    return lambda: decode_attention(q, kb, vb, table, start, lens, D ** -0.5,
+                                    size_limit=slots, num_splits=splits, out=out)
+
+
+def graph_of(fn, variant: int):
+    at.CHECK_LEVEL = max(variant, 1)
+    ctx = guard.unchecked() if variant == 0 else guard.kv_guard("cuda").step()
+    with ctx:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(LAYERS):
+                fn()
+    guard.kv_guard("cuda").calls.clear()
+    return g
+
+
+def time_graph(g) -> float:
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) * 1e3 / LAYERS        # us a launch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--variants", default="0,1,2,3")
+    args = ap.parse_args()
+    variants = [int(v) for v in args.variants.split(",")]
+    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name(), "command":
+           "python bench/attention_checks.py " + (f"--out {args.out}" if args.out else ""),
+           "us_per_launch": {}}
+    for kind in ("extend", "decode"):
+        for B in (1, 64):
+            graphs = {v: graph_of(runner(kind, B), v) for v in variants}
+            times = {v: [] for v in variants}
+            for _ in range(30):
+                for v in variants:
+                    times[v].append(time_graph(graphs[v]))
+            row = {str(v): statistics.median(t[3:]) for v, t in times.items()}
+            res["us_per_launch"][f"{kind} b{B}"] = row
+            print(kind, B, {v: round(x, 2) for v, x in row.items()}, flush=True)
+    assert guard.kv_guard("cuda").err.tolist() == [0, guard.NO_ERROR]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
