@@ -36,7 +36,7 @@ _LOG2E = 1.4426950408889634
 _HALF = tl.constexpr(2**31)     # table-position keys: [0, HALF) past the end, [HALF, 2**32) < 0
 _MAX_CALL_ID = 2**31 - 2        # call_id and call_id + 1 are passed as i32
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-CHECK_LEVEL = 1     # (exploring) 1: rows read only through good slots; 2: rows read through
+CHECK_LEVEL = int(os.environ.get("EAGLEKV_ATTN_CHECK_LEVEL", "1"))   # (exploring) 1: rows read only through good slots; 2: rows read through
                     # the clamped slot, bad keys masked from the scores; 3: 2 without recording
 
 
