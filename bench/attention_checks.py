@@ -1,7 +1,8 @@
 """What the attention kernels' index checks cost, and which way of checking costs least
 (issue 13: checked vs unchecked within 1%). For each CHECK variant of
 `attention_triton._load_slots` (0 unchecked; 1 rows read only through good slots; 2 rows read
-through the clamped slot, bad keys masked from the scores; 3 = 2 without recording), the
+through the clamped slot, bad keys masked from the scores; 3 = 2 without recording), each
+unpipelined (as shipped) and with Triton's default software pipelining ("p", 3 stages), the
 S5 verify's extend (6 queries over a 300-key prefix) and a decode (300 keys) of SmolLM2's
 shape (9 query heads, 3 kv heads, 64 dims, bf16) at batch 1 and 64: 30 launches captured in
 one CUDA graph (as a step replays them), the graph timed with CUDA events, median of 30,
@@ -56,9 +57,12 @@ def runner(kind: str, B: int):
                                     size_limit=slots, num_splits=splits, out=out)
 
 
-def graph_of(fn, variant: int):
-    at.CHECK_LEVEL = max(variant, 1)
-    ctx = guard.unchecked() if variant == 0 else guard.kv_guard("cuda").step()
+def graph_of(fn, variant: str):
+    level = int(variant.rstrip("p"))
+    at.CHECK_LEVEL = max(level, 1)
+    at.DECODE_STAGES = at.DEFAULT_STAGES if variant.endswith("p") else 1
+    at.SHORT_EXTEND = 0 if variant.endswith("p") else 64
+    ctx = guard.unchecked() if level == 0 else guard.kv_guard("cuda").step()
     with ctx:
         for _ in range(3):
             fn()
@@ -83,9 +87,9 @@ def time_graph(g) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
-    ap.add_argument("--variants", default="0,1,2,3")
+    ap.add_argument("--variants", default="0,1,2,3,0p,1p,2p")
     args = ap.parse_args()
-    variants = [int(v) for v in args.variants.split(",")]
+    variants = args.variants.split(",")
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(), "command":
            "python bench/attention_checks.py " + (f"--out {args.out}" if args.out else ""),
@@ -97,7 +101,7 @@ def main() -> None:
             for _ in range(30):
                 for v in variants:
                     times[v].append(time_graph(graphs[v]))
-            row = {str(v): statistics.median(t[3:]) for v, t in times.items()}
+            row = {v: statistics.median(t[3:]) for v, t in times.items()}
             res["us_per_launch"][f"{kind} b{B}"] = row
             print(kind, B, {v: round(x, 2) for v, x in row.items()}, flush=True)
     assert guard.kv_guard("cuda").err.tolist() == [0, guard.NO_ERROR]

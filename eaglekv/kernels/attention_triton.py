@@ -36,8 +36,21 @@ _LOG2E = 1.4426950408889634
 _HALF = tl.constexpr(2**31)     # table-position keys: [0, HALF) past the end, [HALF, 2**32) < 0
 _MAX_CALL_ID = 2**31 - 2        # call_id and call_id + 1 are passed as i32
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-CHECK_LEVEL = int(os.environ.get("EAGLEKV_ATTN_CHECK_LEVEL", "1"))   # (exploring) 1: rows read only through good slots; 2: rows read through
-                    # the clamped slot, bad keys masked from the scores; 3: 2 without recording
+# The check variant (exploring, EAGLEKV_ATTN_CHECK_LEVEL): 1 rows read only through good
+# slots; 2 rows read through the clamped slot, bad keys masked from the scores; 3 is 2 without
+# recording (measurement only). 0 is the unchecked kernel (`guard.unchecked`).
+CHECK_LEVEL = int(os.environ.get("EAGLEKV_ATTN_CHECK_LEVEL", "1"))
+# Software pipelining of the key loop. Compiled for sm_90 (Triton 3.9, `triton.compile` on the
+# CPU), the checked kernels' loops were pipelined (cp.async of the slot and K/V tiles, 6 async
+# copies in the extend kernel) and the unchecked ones were not; on the H200 the unchecked
+# extend ran 6.4 us a launch against the checked 10.2 (S5 verify, batch 1: 6 queries over ~300
+# keys, 5 tiles a program) and decode 3.2 against 3.9 (2026-12-04, `kernel_top`). Loops of a
+# few tiles do not fill a pipeline, so decode and short extends (verify windows, draft
+# extends) run unpipelined, as the unchecked kernels always did; a prefill keeps Triton's
+# default. Not yet timed on the H200 this way (`bench/attention_checks.py` does).
+DECODE_STAGES = 1
+SHORT_EXTEND = 64
+DEFAULT_STAGES = 3
 
 
 @triton.jit
@@ -352,7 +365,8 @@ def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scal
         call_id, size_limit, table.numel(), scale * _LOG2E, *q.stride(), *out.stride(),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         H=H, G=G, GP=GP, D=D, DP=DP, BLOCK_N=block_n, SPLITS=num_splits,
-        F32DOT=_f32_dot(q.dtype), CHECK=CHECK_LEVEL if checks_enabled() else 0, num_warps=4)
+        F32DOT=_f32_dot(q.dtype), CHECK=CHECK_LEVEL if checks_enabled() else 0, num_warps=4,
+        num_stages=DECODE_STAGES)
     if num_splits > 1:
         _merge_kernel[(B, H)](mid_o, mid_lse, out, *out.stride(), H=H, D=D, DP=DP,
                               SPLITS=num_splits, SP=triton.next_power_of_2(num_splits),
@@ -385,6 +399,7 @@ def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, 
         v_buffer.stride(1), *ms, mask.shape[1] if custom else 0, T, B, max_extend,
         G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m, BLOCK_N=block_n, CUSTOM=custom,
         F32DOT=_f32_dot(q.dtype), CHECK=CHECK_LEVEL if checks_enabled() else 0,
-        num_warps=8 if block_m * GP >= 128 else 4)
+        num_warps=8 if block_m * GP >= 128 else 4,
+        num_stages=1 if max_extend <= SHORT_EXTEND else DEFAULT_STAGES)
     guard.after_launch()
     return out
