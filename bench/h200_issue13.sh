@@ -2,6 +2,7 @@
 # Issue 13 on the H200 (run from the tree root on the GPU machine, after the first half of the
 # model was copied: see ../shared/tools/stage-smollm2):
 #   bench/h200_issue13.sh bench   # assemble SmolLM2, `eaglekv bench --device cuda`, the floor
+#   bench/h200_issue13.sh checks  # what the index checks cost (kernels, then checked vs unchecked)
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
 #   bench/h200_issue13.sh memcheck [PATHS]  # the same under compute-sanitizer memcheck
 # bench env: MODES, BATCHES (1,4,16,64), NEW_TOKENS, WAVES (1: one batch; K: B in flight, B x K
@@ -26,6 +27,13 @@ case "${1:-bench}" in
       --modes "${MODES:-plain,eagle_chain_S3K1N4,eagle_chain_S5K1N6,eagle_tree_S4K2N8,adaptive}" \
       --out "$OUT" 2>&1 | tail -c 20000 > "$OUT/bench.log"
     tail -5 "$OUT/bench.log"; cat "$OUT/graph_floor.txt" 2>/dev/null
+    ;;
+  checks)
+    # what the index checks cost: the attention kernels' check variants pipelined and not
+    # (bench/attention_checks.py, ~1 min), then the engine checked and unchecked
+    python3 bench/attention_checks.py --out "$OUT/attention_checks_h200.json" 2>&1 | tail -6
+    MODES=${MODES:-plain,plain_unchecked,eagle_chain_S5K1N6,eagle_chain_S5K1N6_unchecked,adaptive} \
+      FLOOR=0 "$0" bench
     ;;
   tests)
     shift
