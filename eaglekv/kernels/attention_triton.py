@@ -40,6 +40,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # slots; 2 rows read through the clamped slot, bad keys masked from the scores; 3 is 2 without
 # recording (measurement only). 0 is the unchecked kernel (`guard.unchecked`).
 CHECK_LEVEL = int(os.environ.get("EAGLEKV_ATTN_CHECK_LEVEL", "1"))
+if CHECK_LEVEL not in (1, 2):     # 3 does not record: set only by bench/attention_checks.py
+    raise ValueError(f"EAGLEKV_ATTN_CHECK_LEVEL={CHECK_LEVEL}: 1 or 2 (both check every slot)")
 # Software pipelining of the key loop. Compiled for sm_90 (Triton 3.9, `triton.compile` on the
 # CPU), the checked kernels' loops were pipelined (cp.async of the slot and K/V tiles, 6 async
 # copies in the extend kernel) and the unchecked ones were not; on the H200 the unchecked
