@@ -6,9 +6,10 @@
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
 #   bench/h200_issue13.sh memcheck [PATHS]  # the same under compute-sanitizer memcheck
 # bench env: MODES, BATCHES (1,4,16,64), NEW_TOKENS, WAVES (1: one batch; K: B in flight, B x K
-# in all), FLOOR=0 to skip the floor (~140 s), LLAMA8B=" " to skip the 8B row. The modes need
-# both shipped heads in the tree (eagle_* the EAGLE-1 head, adaptive the EAGLE-3 one): a slimmed
-# tree carries them (.carry/slimmed/eaglekv/drafts/*) and copies them back first.
+# in all), WSR (--waiting-served-ratio, 0: admit at once), FLOOR=0 to skip the floor (~140 s),
+# LLAMA8B=" " to skip the 8B row. The modes need both shipped heads in the tree (eagle_* the
+# EAGLE-1 head, adaptive the EAGLE-3 one): a slimmed tree carries them
+# (.carry/slimmed/eaglekv/drafts/*) and copies them back first.
 set -uo pipefail
 export PYTHONPATH=.:.carry/pylib
 M=/root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -24,6 +25,7 @@ case "${1:-bench}" in
     timeout "${BENCH_TIMEOUT:-560}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
       --model "$M" --new-tokens "${NEW_TOKENS:-256}" --repeats 2 ${LLAMA8B:---llama8b} \
       --batches "${BATCHES:-1,4,16,64}" --waves "${WAVES:-1}" \
+      --waiting-served-ratio "${WSR:-0}" \
       --modes "${MODES:-plain,eagle_chain_S3K1N4,eagle_chain_S5K1N6,eagle_tree_S4K2N8,adaptive}" \
       --out "$OUT" 2>&1 | tail -c 20000 > "$OUT/bench.log"
     tail -5 "$OUT/bench.log"; cat "$OUT/graph_floor.txt" 2>/dev/null

@@ -45,6 +45,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch captured as a CUDA graph (default: "
                    "--max-running-requests)")
+    p.add_argument("--waiting-served-ratio", type=float, default=d.waiting_served_ratio,
+                   help="while requests decode, admit newcomers once they are this fraction "
+                   "of the running ones (TGI's flag; 0: at once)")
+    p.add_argument("--max-waiting-steps", type=int, default=d.max_waiting_steps,
+                   help="with --waiting-served-ratio: admit the waiting ones after this many "
+                   "engine steps in any case")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="greedy decode steps per engine step, one sync for all (default: 8 "
                    "with CUDA graphs, else 1)")
@@ -73,7 +79,9 @@ def kernel_options(args) -> dict:
     return {"attention_backend": args.attention_backend,
             "disable_cuda_graph": args.disable_cuda_graph,
             "cuda_graph_max_bs": args.cuda_graph_max_bs,
-            "num_scheduler_steps": args.num_scheduler_steps}
+            "num_scheduler_steps": args.num_scheduler_steps,
+            "waiting_served_ratio": args.waiting_served_ratio,
+            "max_waiting_steps": args.max_waiting_steps}
 
 
 def chunk_arg(value: int | None) -> int | str | None:

@@ -258,6 +258,13 @@ class EngineConfig:
     # greedy decode steps replayed back to back per engine step, one sync for all (vLLM's
     # --num-scheduler-steps); None: DEFAULT_SCHEDULER_STEPS with CUDA graphs, else 1
     num_scheduler_steps: int | None = None
+    # admission while requests decode (TGI's --waiting-served-ratio / --max-waiting-tokens):
+    # newcomers wait until they are at least this fraction of the running requests, or until
+    # the oldest has waited max_waiting_steps engine steps, and are then prefilled together;
+    # 0: each is admitted at once (a prefill step of its own when a speculative batch's
+    # requests finish one at a time)
+    waiting_served_ratio: float = 0.0
+    max_waiting_steps: int = 20
 
     def __post_init__(self):
         if isinstance(self.speculative, dict):
@@ -294,6 +301,13 @@ class EngineConfig:
         if self.num_scheduler_steps is not None and (
                 not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1):
             raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps!r} must be an "
+                              f"int >= 1")
+        if not (isinstance(self.waiting_served_ratio, (int, float))
+                and 0 <= self.waiting_served_ratio < float("inf")):
+            raise ConfigError(f"waiting_served_ratio={self.waiting_served_ratio!r} must be a "
+                              f"finite number >= 0 (0: admit at once)")
+        if not isinstance(self.max_waiting_steps, int) or self.max_waiting_steps < 1:
+            raise ConfigError(f"max_waiting_steps={self.max_waiting_steps!r} must be an "
                               f"int >= 1")
         if not 0 < self.mem_fraction <= 0.95:
             raise ConfigError(f"mem_fraction={self.mem_fraction} must be in (0, 0.95]")

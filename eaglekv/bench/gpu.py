@@ -78,6 +78,8 @@ def _make_engine(args, mode: str, max_batch: int) -> Engine:
                                max_running_requests=max_batch,
                                max_total_tokens=max_batch * (args.new_tokens + 64) + 4096,
                                speculative=sc, disable_cuda_graph=args.disable_cuda_graph,
+                               waiting_served_ratio=getattr(args, "waiting_served_ratio", 0.0),
+                               max_waiting_steps=getattr(args, "max_waiting_steps", 20),
                                num_scheduler_steps=1 if mode == "plain_1step" else None))
 
 

@@ -31,6 +31,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.num_preemptions = 0
         self._prefilled_last = False   # speculative: the last step was a prefill
+        self._held = 0                 # steps newcomers were held back (waiting_served_ratio)
 
     # ---- requests ------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -107,7 +108,7 @@ class Scheduler:
     def _admit(self) -> None:
         """Fill free rows from `waiting` in the fairness order (fairness.py); stop at the first
         request chosen that does not fit in the KV pool beside the running ones' next steps."""
-        if not self.waiting:
+        if not self.waiting or not self._admit_now():
             return
         ps = self.config.page_size
         per_group = Counter(r.group for r in self.running)
@@ -124,6 +125,22 @@ class Scheduler:
             req.row = self.req_to_token.alloc()
             self.running.append(req)
             per_group[req.group] += 1
+
+    def _admit_now(self) -> bool:
+        """TGI's admission rule (`waiting_served_ratio`, `max_waiting_steps`): while requests
+        are running, the waiting ones are admitted once they are at least the ratio of the
+        running ones or the oldest has been held `max_waiting_steps` steps, so that they are
+        prefilled in one step rather than one prefill step each. Ratio 0: at once."""
+        ratio = self.config.waiting_served_ratio
+        if ratio <= 0 or not self.running:
+            self._held = 0
+            return True
+        if (len(self.waiting) >= ratio * len(self.running)
+                or self._held >= self.config.max_waiting_steps):
+            self._held = 0
+            return True
+        self._held += 1
+        return False
 
     # ---- extend plans ---------------------------------------------------------------------------
     def _chunk(self, reqs: list[Req]) -> list[tuple[Req, int]]:

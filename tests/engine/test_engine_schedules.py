@@ -78,7 +78,9 @@ def test_random_schedule(deep_dir, references, config, ps, seed):  # noqa: F811
     extra = {} if CONFIGS[config] is None else {"speculative": CONFIGS[config]}
     eng = tiny_engine(deep_dir, page_size=ps, max_running_requests=rng.choice([3, 4, 6]),
                       max_total_tokens=128, chunked_prefill_size=rng.choice([None, 3, 16]),
-                      **extra)
+                      # admission held back (TGI's rule) in some schedules
+                      waiting_served_ratio=rng.choice([0.0, 0.0, 0.5, 2.0]),
+                      max_waiting_steps=rng.choice([1, 4]), **extra)
     if config == "adaptive":
         from eaglekv.speculative.adaptive import CostTable
         eng.runner.policy.costs = CostTable.fixed({"plain": 1.0, "S3K1N4": 1.5, "S2K2N4": 1.5})
@@ -148,3 +150,63 @@ def test_check_memory_sees_a_foreign_or_orphaned_slot(deep_dir):
         eng.check_memory()
     eng.allocator.free(stray)
     eng.check_memory()
+
+
+@pytest.mark.parametrize("speculative", [None, spec("eagle", 3, 1, 4)], ids=["plain", "eagle"])
+def test_waiting_served_ratio_holds_newcomers_then_prefills_them_together(deep_dir,  # noqa: F811
+                                                                          speculative):
+    """TGI's admission rule: with 4 requests decoding and waiting_served_ratio 0.5, one
+    newcomer waits (1 < 0.5 * 4); a second makes two, and both are admitted at the next step
+    and prefilled in one step; a lone newcomer is admitted after max_waiting_steps held steps.
+    Greedy outputs equal an engine that admits at once."""
+    extra = {} if speculative is None else {"speculative": speculative}
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    prompts = [[5, 17, 42], list(range(1, 12)), [9] * 7, [3, 1, 4, 1, 5], [8, 8, 2], [7, 6]]
+    want = [o.token_ids for o in tiny_engine(deep_dir, max_running_requests=8, **extra)
+            .generate(prompts, sp)]
+    eng = tiny_engine(deep_dir, max_running_requests=8, waiting_served_ratio=0.5,
+                      max_waiting_steps=3, **extra)
+    reqs = [eng.add_request(p, sp) for p in prompts[:4]]
+    while any(not r.output_ids for r in reqs):
+        eng.step()
+    late = eng.add_request(prompts[4], sp)
+    eng.step()
+    assert late in eng.waiting and not late.output_ids                # held: 1 < 0.5 * 4
+    last = eng.add_request(prompts[5], sp)
+    eng.step()                                                          # 2 >= 2: admitted
+    assert late not in eng.waiting and last not in eng.waiting
+    steps = 0
+    while not (late.output_ids and last.output_ids):
+        eng.step()
+        steps += 1
+    assert steps <= 2 and len(late.output_ids) == len(last.output_ids)  # one prefill step
+    reqs += [late, last]
+    while eng.has_unfinished():
+        eng.step()
+    assert [r.output_ids for r in reqs] == want
+    lone = tiny_engine(deep_dir, max_running_requests=8, waiting_served_ratio=0.5,
+                       max_waiting_steps=3, **extra)
+    first = [lone.add_request(p, sp) for p in prompts[:4]]
+    while any(not r.output_ids for r in first):
+        lone.step()
+    r = lone.add_request(prompts[4], sp)
+    held = 0
+    while r in lone.waiting:
+        lone.step()
+        held += 1
+    assert held == 4                     # 3 steps held, admitted at the 4th
+    while lone.has_unfinished():
+        lone.step()
+    assert r.output_ids == want[4]
+    assert lone.allocator.is_full() and eng.allocator.is_full()
+
+
+@pytest.mark.parametrize("bad", [dict(waiting_served_ratio=-0.5),
+                                 dict(waiting_served_ratio=float("inf")),
+                                 dict(max_waiting_steps=0)])
+def test_waiting_served_ratio_bad_values_name_themselves(bad):
+    from eaglekv.config import EngineConfig
+    from eaglekv.errors import ConfigError
+    name = next(iter(bad))
+    with pytest.raises(ConfigError, match=name):
+        EngineConfig(**bad)
