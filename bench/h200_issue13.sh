@@ -21,14 +21,16 @@ if [ ! -f "$M" ] && [ -f .carry/smollm2/b/part.ab ]; then
 fi
 case "${1:-bench}" in
   bench)
-    [ "${FLOOR:-1}" = 1 ] && python3 .carry/graph_floor.py > "$OUT/graph_floor.txt" 2>&1
+    floor=()     # the floor runs inside the bench's process, after the modes (~140 s)
+    [ "${FLOOR:-1}" = 1 ] && floor=(--floor .carry/graph_floor.py)
     timeout "${BENCH_TIMEOUT:-560}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
       --model "$M" --new-tokens "${NEW_TOKENS:-256}" --repeats 2 ${LLAMA8B:---llama8b} \
+      ${floor[@]+"${floor[@]}"} \
       --batches "${BATCHES:-1,4,16,64}" --waves "${WAVES:-1}" \
       --waiting-served-ratio "${WSR:-0}" \
       --modes "${MODES:-plain,eagle_chain_S3K1N4,eagle_chain_S5K1N6,eagle_tree_S4K2N8,adaptive}" \
       --out "$OUT" 2>&1 | tail -c 20000 > "$OUT/bench.log"
-    tail -5 "$OUT/bench.log"; cat "$OUT/graph_floor.txt" 2>/dev/null
+    tail -6 "$OUT/bench.log"
     ;;
   checks)
     # what the index checks cost: the attention kernels' check variants pipelined and not

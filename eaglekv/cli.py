@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--modes", default="plain,eagle_chain_S3K1N4,eagle_tree_S4K2N8,adaptive",
                    help="--table: plain, the EAGLE shapes (eagle_chain_S1K1N2, "
                    "eagle_chain_S3K1N4, eagle_chain_S5K1N6, eagle_tree_S4K2N8) and adaptive")
+    b.add_argument("--floor", default=None, metavar="GRAPH_FLOOR_PY", help="--device cuda: "
+                   "run the floor script (../shared/tools/graph_floor.py) in this process "
+                   "after the modes, into the JSON and the plot")
     b.add_argument("--llama8b", action="store_true", help="--device cuda: add the decode "
                    "step of a Llama-3.1-8B shape (random weights) against its roofline")
     t = sub.add_parser("train-draft", help="train an EAGLE-1/2 draft head by self-distillation "

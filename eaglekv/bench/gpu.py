@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import datetime
+import io
 import json
 import os
 import pstats
+import runpy
 import statistics
 import time
 
@@ -415,6 +417,24 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
     return out
 
 
+def floor_rows(path: str) -> dict:
+    """The floor of issue 13's table, in this process: `graph_floor.py` (../shared/tools: one
+    batch-1 decode step of a Llama-shaped model in plain PyTorch ops over a static KV cache,
+    eager, in one CUDA graph, and torch.compile'd then captured; it runs on import and prints a
+    line `<shape> {json}` per shape). Returns {shape: its figures}."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        runpy.run_path(path, run_name="graph_floor")
+    rows = {}
+    for line in buf.getvalue().splitlines():
+        name, _, figures = line.partition(" ")
+        if figures.startswith("{"):
+            rows[name] = json.loads(figures)
+    if not rows:
+        raise RuntimeError(f"{path} printed no '<shape> {{json}}' line:\n{buf.getvalue()[-500:]}")
+    return rows
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -426,6 +446,10 @@ def plot(result: dict, path: str) -> None:
     if "hf_transformers" in result:
         ax.scatter([1], [result["hf_transformers"]["tokens_per_s"]], color="k", marker="x",
                    label="HF transformers (batch 1)", zorder=3)
+    floor = result.get("floor", {}).get("smollm2_shape", {}).get("compiled_graph_tok_s")
+    if floor:
+        ax.scatter([1], [floor], color="r", marker="*", s=80, zorder=3,
+                   label="floor: torch.compile + one CUDA graph (batch 1)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch size")
@@ -456,6 +480,10 @@ def table(result: dict) -> str:
                  if name != "plain" and b in plain else "")
             cells.append(f"{r['tokens_per_s']:.1f}{x}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    floor = result.get("floor", {}).get("smollm2_shape", {}).get("compiled_graph_tok_s")
+    if floor:
+        lines.append("| floor: torch.compile + one CUDA graph (same process) | "
+                     + " | ".join([f"{floor:.1f}"] + [""] * (len(bs) - 1)) + " |")
     return "\n".join(lines)
 
 
@@ -514,6 +542,12 @@ def main(args) -> None:
         result["hf_transformers"] = hf_row(args, ids)
     if args.llama8b and args.device.startswith("cuda"):
         result["llama8b"] = llama8b_row()
+    if getattr(args, "floor", None) and args.device.startswith("cuda"):
+        result["floor"] = floor_rows(args.floor)
+        f = result["floor"].get("smollm2_shape", {}).get("compiled_graph_tok_s")
+        if f and "plain" in result["modes"] and 1 in result["modes"]["plain"]["rows"]:
+            result["plain_batch_1_vs_floor"] = \
+                result["modes"]["plain"]["rows"][1]["tokens_per_s"] / f
     text = json.dumps(result, indent=2)
     print(text)
     print(table(result))

@@ -103,3 +103,26 @@ def test_kernel_top_sums_launches_and_time_by_name():
                    {"kernel": "attn", "launches_per_step": 1.0, "us_per_step": 3.0},
                    {"kernel": "norm", "launches_per_step": 1.0, "us_per_step": 1.0}]
     assert kernel_top(ks, steps=2, n=1) == top[:1]
+
+
+def test_the_floor_runs_in_the_bench_process(tmp_path):
+    """`eaglekv bench --floor graph_floor.py` runs the floor script in its own process and
+    keeps each shape's figures (a stand-in script here: the real one needs CUDA); the table
+    and the plot show its batch-1 figure."""
+    from eaglekv.bench.gpu import floor_rows, plot, table
+    script = tmp_path / "graph_floor.py"
+    script.write_text('import json\nprint("warming up")\n'
+                      'print("smollm2_shape", json.dumps({"compiled_graph_tok_s": 1191.5}))\n'
+                      'print("llama8b_shape", json.dumps({"compiled_graph_ms": 4.54}))\n')
+    rows = floor_rows(str(script))
+    assert rows == {"smollm2_shape": {"compiled_graph_tok_s": 1191.5},
+                    "llama8b_shape": {"compiled_graph_ms": 4.54}}
+    result = {"modes": {"plain": {"rows": {1: {"tokens_per_s": 975.0}}}}, "floor": rows,
+              "device": "test", "model_short": "m", "dtype": "bfloat16", "date": "2026-12-04"}
+    assert "| floor: torch.compile + one CUDA graph (same process) | 1191.5 |" in table(result)
+    plot(result, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 0
+    bad = tmp_path / "bad.py"
+    bad.write_text('print("nothing useful")\n')
+    with pytest.raises(RuntimeError, match="printed no"):
+        floor_rows(str(bad))
