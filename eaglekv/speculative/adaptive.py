@@ -346,6 +346,7 @@ class AdaptivePolicy:
             self.wait[f], self.probes[f], self.on[f] = 0, 0, False   # not switched off yet
             self.owner[f] = rids[fresh]
             self.explore_room += EXPLORE_ALLOWANCE * len(f)
+            self._spec_left = self._plain_left = 0     # a new request: no held choice
         return rows
 
     def state(self, req):

@@ -271,6 +271,14 @@ def test_a_sure_choice_holds_for_a_few_steps_of_the_same_batch(B):
     p.observe_spec(reqs, S3, [3] * B)
     p.choose(reqs + [FakeReq()])                                     # another batch
     assert len(worked) == 4
+    for _ in range(2):
+        p.observe_spec(reqs, S3, [3] * B)
+        p.choose(reqs)
+    assert len(worked) == 5 and p._spec_left > 0                     # held again
+    new = FakeReq()
+    new.row = reqs[0].row                         # reqs[0] finished; a new one took its row
+    p.choose([new] + reqs[1:])
+    assert len(worked) == 6                       # the same rows, but not the same requests
     fresh = AdaptivePolicy([S3], CostTable.fixed({PLAIN: 1.0, S3.label: 2.2}))
     r = FakeReq()
     fresh.state(r).rates[:] = 0.35                # S3 only on the optimism (a first try)
