@@ -50,11 +50,26 @@ MODES = {"plain": None,
          "eagle_chain_S5K1N6_unchecked": dict(num_steps=5, topk=1, num_draft_tokens=6)}
 
 
+def split_mode(mode: str) -> tuple[str, str | None]:
+    """`name@lib` -> (name, lib): the mode `name` with the CPU matmul library `lib`
+    (model/cpu_blas.py: onednn, numpy, torch), so libraries compare in one process."""
+    name, _, lib = mode.partition("@")
+    return name, lib or None
+
+
 def mode_checks(mode: str):
     """`*_unchecked` modes capture their graphs and run with the index checks off
-    (`guard.unchecked`, measurement only); every other mode as shipped."""
+    (`guard.unchecked`, measurement only); `@lib` modes run with that CPU matmul library;
+    every other mode as shipped."""
     from eaglekv.kernels import guard
-    return guard.unchecked() if mode.endswith("_unchecked") else contextlib.nullcontext()
+    from eaglekv.model import cpu_blas
+    name, lib = split_mode(mode)
+    stack = contextlib.ExitStack()
+    if name.endswith("_unchecked"):
+        stack.enter_context(guard.unchecked())
+    if lib is not None:
+        stack.enter_context(cpu_blas.using(lib))
+    return stack
 
 
 def sync() -> None:
@@ -64,7 +79,8 @@ def sync() -> None:
 
 def make_engine(args, mode: str, max_batch: int) -> Engine:
     from eaglekv.kernels import fused
-    default, fused.FUSE_NORM_MATMUL = fused.FUSE_NORM_MATMUL, mode == "plain_fused"
+    default, fused.FUSE_NORM_MATMUL = (fused.FUSE_NORM_MATMUL,
+                                       split_mode(mode)[0] == "plain_fused")
     try:                                                  # what the graphs capture
         with mode_checks(mode):
             return _make_engine(args, mode, max_batch)
@@ -73,6 +89,7 @@ def make_engine(args, mode: str, max_batch: int) -> Engine:
 
 
 def _make_engine(args, mode: str, max_batch: int) -> Engine:
+    mode = split_mode(mode)[0]
     spec = MODES[mode]
     sc = SpecConfig() if spec is None else SpecConfig(
         **{"algorithm": "eagle", "draft_model": args.draft, **spec})
@@ -466,18 +483,20 @@ def table(result: dict) -> str:
     """Markdown: tokens/s per mode and batch size (x plain in brackets)."""
     modes = result["modes"]
     bs = sorted({int(b) for m in modes.values() for b in m["rows"]})
-    plain = modes.get("plain", {}).get("rows", {})
     lines = ["| tok/s | " + " | ".join(f"batch {b}" for b in bs) + " |",
              "|---" * (len(bs) + 1) + "|"]
     for name, m in modes.items():
         cells = []
+        lib = split_mode(name)[1]
+        base = "plain" + (f"@{lib}" if lib else "")
+        plain = modes.get(base, {}).get("rows", {})
         for b in bs:
             r = m["rows"].get(b)
             if r is None:
                 cells.append("")
                 continue
             x = (f" ({r['tokens_per_s'] / plain[b]['tokens_per_s']:.2f}x)"
-                 if name != "plain" and b in plain else "")
+                 if name != base and b in plain else "")
             cells.append(f"{r['tokens_per_s']:.1f}{x}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     floor = result.get("floor", {}).get("smollm2_shape", {}).get("compiled_graph_tok_s")
@@ -492,6 +511,50 @@ def _profile_ratio(result: dict, m: str, u: str, B, key: str) -> float | None:
     a = result["modes"][m]["rows"][B].get("step_profile", {}).get(key)
     b = result["modes"][u]["rows"][B].get("step_profile", {}).get(key)
     return a / b if a and b else None
+
+
+def compare(result: dict) -> None:
+    """Ratios into `result`: each mode against plain decoding with the same CPU library
+    (`speedup_vs_plain`), adaptive against plain and the best fixed shape (`adaptive_vs`, per
+    library: `adaptive@numpy` -> key `@numpy`), and each mode run with two libraries
+    (`cpu_blas_vs`: mode@a / mode@b tokens/s, for every pair present)."""
+    modes = result["modes"]
+    libs = sorted({split_mode(m)[1] or "" for m in modes})
+    for lib in libs:
+        at = f"@{lib}" if lib else ""
+        if "plain" + at not in modes:
+            continue
+        plain = modes["plain" + at]["rows"]
+        result.setdefault("speedup_vs_plain", {}).update({
+            mode: {B: m["rows"][B]["tokens_per_s"] / plain[B]["tokens_per_s"]
+                   for B in m["rows"] if B in plain}
+            for mode, m in modes.items() if mode != "plain" + at
+            and (split_mode(mode)[1] or "") == lib})
+        fixed = [m for m in modes if m.startswith("eagle") and (split_mode(m)[1] or "") == lib
+                 and not split_mode(m)[0].endswith("_unchecked")]
+        if "adaptive" + at in modes:    # issue 15: vs plain and vs the best fixed shape
+            ad = modes["adaptive" + at]["rows"]
+            vs = {B: {"plain": ad[B]["tokens_per_s"] / plain[B]["tokens_per_s"],
+                      "best_fixed": ad[B]["tokens_per_s"] / max(
+                          [modes[f]["rows"][B]["tokens_per_s"] for f in fixed]
+                          + [plain[B]["tokens_per_s"]])}
+                  for B in ad}
+            if at:
+                result.setdefault("adaptive_vs", {})[at] = vs
+            else:
+                result["adaptive_vs"] = vs
+    by_name: dict[str, dict[str, dict]] = {}
+    for m in modes:
+        name, lib = split_mode(m)
+        if lib:
+            by_name.setdefault(name, {})[lib] = modes[m]["rows"]
+    for name, rows in by_name.items():
+        for a in rows:
+            for b in rows:
+                if a != b:
+                    result.setdefault("cpu_blas_vs", {})[f"{name}: {a} / {b}"] = {
+                        B: rows[a][B]["tokens_per_s"] / rows[b][B]["tokens_per_s"]
+                        for B in rows[a] if B in rows[b]}
 
 
 def main(args) -> None:
@@ -510,22 +573,7 @@ def main(args) -> None:
     for mode, m in result["modes"].items():
         print(json.dumps({mode: {B: r["tokens_per_s"] for B, r in m["rows"].items()}}),
               flush=True)
-    if "plain" in result["modes"]:
-        plain = result["modes"]["plain"]["rows"]
-        result["speedup_vs_plain"] = {
-            mode: {B: m["rows"][B]["tokens_per_s"] / plain[B]["tokens_per_s"]
-                   for B in m["rows"] if B in plain}
-            for mode, m in result["modes"].items() if mode != "plain"}
-        fixed = [m for m in result["modes"] if m.startswith("eagle")
-                 and not m.endswith("_unchecked")]
-        if "adaptive" in result["modes"]:    # issue 15: vs plain and vs the best fixed shape
-            ad = result["modes"]["adaptive"]["rows"]
-            result["adaptive_vs"] = {
-                B: {"plain": ad[B]["tokens_per_s"] / plain[B]["tokens_per_s"],
-                    "best_fixed": ad[B]["tokens_per_s"] / max(
-                        [result["modes"][f]["rows"][B]["tokens_per_s"] for f in fixed]
-                        + [plain[B]["tokens_per_s"]])}
-                for B in ad}
+    compare(result)
     checked = {m.removesuffix("_unchecked"): m for m in result["modes"]
                if m.endswith("_unchecked") and m.removesuffix("_unchecked") in result["modes"]}
     if checked:       # issue 13: the same step with and without its index checks

@@ -7,10 +7,8 @@ each at load time. Attention reads and writes K/V only through the attention bac
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +16,7 @@ from eaglekv.core import ForwardBatch
 from eaglekv.errors import ModelLoadError
 from eaglekv.kernels import fused
 from eaglekv.kernels.fused import add_rms_norm, column_major, gemv, norm_matmul, use_gemv
+from eaglekv.model import cpu_blas
 from eaglekv.model.config import ModelConfig
 from eaglekv.model.rope import RotaryEmbedding, to_interleaved
 
@@ -39,28 +38,17 @@ def t(w: torch.Tensor) -> torch.Tensor:
     return w.t().contiguous()
 
 
-# On CPU in fp32 the matmuls go through numpy's BLAS (OpenBLAS), not torch's MKL. This
-# project's machine is an AMD EPYC with AVX2 and AVX-512: OpenBLAS runs its SkylakeX (AVX-512)
-# kernels there, while oneMKL 2024.0 takes its generic path on a non-Intel CPU (MKL_VERBOSE=1
-# says "Intel(R) Architecture processors"). bench/blas_cpu.py (one SmolLM2 forward's matmuls,
-# median of 7): on 2 threads OpenBLAS 13 ms against MKL's 27 at M=1, 50 against 89 at M=4,
-# 0.65-0.80x at M=16..256; on 1 thread 0.75-0.98x. The two thread pools spin against each
-# other, so the engine runs torch's own (small) ops on one thread while OpenBLAS uses all cores
-# (`cpu_blas_threads`). EAGLEKV_CPU_BLAS=torch turns all of it off.
-USE_NUMPY_BLAS = os.environ.get("EAGLEKV_CPU_BLAS", "numpy") == "numpy"
-
-
 def cpu_blas_threads() -> int | None:
-    """torch intra-op threads the CPU engine should use: 1 with numpy's BLAS, else None."""
-    return 1 if USE_NUMPY_BLAS else None
+    """torch intra-op threads the CPU engine should use (cpu_blas.threads)."""
+    return cpu_blas.threads()
 
 
 def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: (T, in) @ w_t: (in, out) (+ bias) -> (T, out)."""
-    if (USE_NUMPY_BLAS and x.device.type == "cpu" and x.dtype == torch.float32
-            and w_t.dtype == torch.float32):
-        y = torch.from_numpy(np.matmul(x.numpy(), w_t.numpy()))          # shares memory
-        return y if bias is None else y.add_(bias)
+    """x: (T, in) @ w_t: (in, out) (+ bias) -> (T, out). On CPU in fp32 by the library
+    `cpu_blas` chooses (oneDNN on prepacked weights by default)."""
+    y = cpu_blas.cpu_linear(x, w_t, bias)
+    if y is not None:
+        return y
     if bias is None and use_gemv(x, w_t):   # a decode-sized batch on CUDA (fused.py)
         return gemv(x, w_t)
     return torch.addmm(bias, x, w_t) if bias is not None else x @ w_t

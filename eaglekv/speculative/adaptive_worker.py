@@ -41,6 +41,7 @@ import torch
 
 from eaglekv.core import ForwardBatch, SpecStats, StepPlan, StepResult
 from eaglekv.cuda_graph import store_features
+from eaglekv.model import cpu_blas
 from eaglekv.runner import ModelRunner, guarded
 from eaglekv.speculative.adaptive import (CATCHUP, CHAIN, PLAIN, AdaptivePolicy, CostTable,
                                           Shape, cost_cache_path)
@@ -89,10 +90,12 @@ class AdaptiveWorker:
         self.reset_stats()
 
     def identity(self) -> dict:
-        """What the step costs depend on: device, shapes, dtype, graphs, threads, draft."""
+        """What the step costs depend on: device (on CPU: threads and matmul library),
+        shapes, dtype, graphs, draft."""
         res, mc = self.res, self.res.model.cfg
         dev = (torch.cuda.get_device_name(res.device) if res.device.type == "cuda"
-               else f"{platform.machine()} {platform.processor()} {torch.get_num_threads()}t")
+               else f"{platform.machine()} {platform.processor()} {torch.get_num_threads()}t "
+               f"{cpu_blas.mode()}")                 # the CPU matmul library (cpu_blas.py)
         return {"device": dev, "torch": torch.__version__, "dtype": str(res.dtype),
                 "model": [mc.vocab_size, mc.hidden_size, mc.intermediate_size, mc.num_layers,
                           mc.num_heads, mc.num_kv_heads, mc.head_dim],
