@@ -3,20 +3,28 @@
 Three libraries, chosen by `EAGLEKV_CPU_BLAS` (or `set_mode`, for benches comparing them in
 one process):
 
-- `onednn` (default): oneDNN's matmul on a copy of the weight reordered once into oneDNN's
-  blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the prepacked linear that
-  PyTorch's Inductor uses for frozen CPU weights), on torch's threads. The copy is made at a
-  weight's first use and kept beside it (`_eaglekv_packed`, with the weight's version
-  counter: a weight changed in place is reordered again); weights that require grad are never
-  packed (training runs through autograd).
-- `numpy`: numpy's BLAS (OpenBLAS). On this project's AMD EPYC it runs its AVX-512 kernels
-  where torch's oneMKL takes a generic path (`bench/blas_cpu.py`), and it is the fastest
-  library for one token (a GEMV), but from 2 tokens up it repacks the whole weight on every
-  call: one SmolLM2-135M forward's matmuls took 20 ms at 1 token, 44 at 2, 54 at 6, 69 at 16
-  (30 distinct layers + the LM head, 2 cores; `bench/blas_cpu.py --libs numpy,onednn`).
-  oneDNN on prepacked weights: 22 / 25 / 20 / 31 ms. A verify of N draft tokens is such an
-  M = N matmul, so on OpenBLAS it cost 2-2.5 decode steps and speculation rarely paid on CPU.
-  Runs torch's own ops on one thread (its pool and OpenBLAS's spin against each other).
+- `onednn` (default): matmuls of 2-16 rows (a verify of N draft tokens, a decode of 2-16
+  requests, a draft tree's level) by oneDNN on a copy of the weight reordered once into
+  oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the prepacked linear
+  PyTorch's Inductor uses for frozen CPU weights), on torch's one thread; one row and more
+  than 16 by OpenBLAS as `numpy` does. The copy is made at a weight's first use with 2-16
+  rows and kept on the tensor (`_eaglekv_packed`, with the weight's version counter: a weight
+  changed in place is reordered again): 540 MB more for SmolLM2-135M once it has verified or
+  batched. Weights that require grad are never packed (training runs through autograd).
+- `numpy`: every matmul by numpy's BLAS (OpenBLAS). On this project's AMD EPYC it runs its
+  AVX-512 kernels where torch's oneMKL takes a generic path, and it is the fastest library
+  for one row (a GEMV) and for long prefill chunks, but from 2 rows up to ~24 it repacks the
+  whole weight on every call. One SmolLM2-135M forward's matmuls (30 distinct layers + the LM
+  head; `bench/blas_cpu.py`, 2026-12-04 23:43, `bench/results/blas_cpu_onednn.json`):
+
+  | rows | 1 | 2 | 4 | 6 | 8 | 16 | 64 | 256 |
+  |---|---|---|---|---|---|---|---|---|
+  | OpenBLAS, ms | 18.3 | 51.3 | 49.1 | 57.8 | 56.5 | 66.7 | 124 | 398 |
+  | oneDNN prepacked, 1 thread, ms | 35.3 | 41.9 | 27.8 | 28.6 | 38.2 | 51.7 | 170 | 672 |
+
+  So on OpenBLAS alone a verify of 4-8 tokens cost 2-2.5 decode steps and speculation rarely
+  paid on CPU. torch's own ops run on one thread beside OpenBLAS: with two, its pool and
+  OpenBLAS's spin against each other (plain decoding fell from 36 to 3.6 tok/s).
 - `torch`: `x @ w` (oneMKL here).
 
 All three are exact fp32 matmuls up to summation order; tests compare them over shapes.
@@ -33,9 +41,8 @@ import torch
 MODES = ("onednn", "numpy", "torch")
 PACK_HINT = 8          # the batch size oneDNN's layout is chosen for (1 picks a layout that
 #                        ran a forward 4x slower at every M here)
-ONEDNN_MIN_ROWS = 2    # fewer rows (one token: a GEMV) go to OpenBLAS
-SWITCH_THREADS = False
-CORES = os.cpu_count() or 1
+ONEDNN_MIN_ROWS = 2    # fewer rows (one token: a GEMV) go to OpenBLAS, and so do more than
+ONEDNN_MAX_ROWS = 16   # this (a prefill chunk, a batch-64 decode): there OpenBLAS's threads win
 _mode = os.environ.get("EAGLEKV_CPU_BLAS", "onednn")
 
 
@@ -67,9 +74,10 @@ if _mode not in MODES:
 
 
 def threads() -> int | None:
-    """torch intra-op threads the CPU engine should run with: 1 beside OpenBLAS's own pool,
-    else None (torch's default: every core, which oneDNN's matmuls use)."""
-    return 1 if mode() == "numpy" else None
+    """torch intra-op threads the CPU engine should run with: 1 beside OpenBLAS's own pool
+    (`numpy`, and `onednn`, which uses OpenBLAS too and whose 2-16-row matmuls were fastest
+    on one thread there), else None (torch's default)."""
+    return None if mode() == "torch" else 1
 
 
 def packed(w_t: torch.Tensor):
@@ -84,24 +92,17 @@ def packed(w_t: torch.Tensor):
 
 
 def cpu_linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None):
-    """x (T, in) @ w_t (in, out) (+ bias) on CPU, by the library in use; None when this call
+    """x (T, in) @ w_t (in, out) (+ bias) on CPU, by the library in use (module docstring:
+    `onednn` takes 2-16 rows and hands the rest to OpenBLAS); None when this call
     is not one the CPU libraries take (another dtype or device, a weight under autograd):
     the caller then runs `x @ w_t`."""
     if (x.device.type != "cpu" or x.dtype != torch.float32 or w_t.dtype != torch.float32
             or w_t.dim() != 2 or x.dim() != 2):
         return None
     m = mode()
-    if m == "onednn" and x.shape[0] < ONEDNN_MIN_ROWS:
+    if m == "onednn" and not ONEDNN_MIN_ROWS <= x.shape[0] <= ONEDNN_MAX_ROWS:
         m = "numpy"
     if m == "onednn" and not w_t.requires_grad and not x.requires_grad:
-        if SWITCH_THREADS:
-            n = torch.get_num_threads()
-            torch.set_num_threads(CORES)
-            try:
-                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed(w_t), bias,
-                                                          "none", [], "")
-            finally:
-                torch.set_num_threads(n)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed(w_t), bias,
                                                   "none", [], "")
     if m == "numpy" and not w_t.requires_grad and not x.requires_grad:

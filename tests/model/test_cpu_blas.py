@@ -22,7 +22,7 @@ def blas_mode():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 6, 8, 16, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 8, 16, 17, 33])
 @pytest.mark.parametrize("k,n", [(64, 96), (576, 960), (1536, 576), (96, 4097)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_each_library_equals_the_reference_matmul(blas_mode, mode, rows, k, n, bias):
@@ -62,11 +62,12 @@ def test_the_packed_copy_follows_a_weight_changed_in_place(blas_mode):
 
 
 @pytest.mark.skipif(not cpu_blas.onednn_available(), reason="this torch has no oneDNN")
-def test_one_row_goes_to_openblas_and_more_to_the_packed_weight(blas_mode):
+def test_one_row_and_long_chunks_go_to_openblas_and_the_rest_to_the_packed_weight(blas_mode):
     blas_mode("onednn")
     w_t = torch.randn(32, 48)
-    linear(torch.randn(1, 32), w_t)
-    assert not hasattr(w_t, "_eaglekv_packed")          # a GEMV: OpenBLAS, nothing packed
+    for rows in (1, cpu_blas.ONEDNN_MAX_ROWS + 1, 64):
+        linear(torch.randn(rows, 32), w_t)
+        assert not hasattr(w_t, "_eaglekv_packed")      # OpenBLAS, nothing packed
     linear(torch.randn(cpu_blas.ONEDNN_MIN_ROWS, 32), w_t)
     assert hasattr(w_t, "_eaglekv_packed")
 
