@@ -22,6 +22,9 @@ one process):
   | OpenBLAS, ms | 18.3 | 51.3 | 49.1 | 57.8 | 56.5 | 66.7 | 124 | 398 |
   | oneDNN prepacked, 1 thread, ms | 35.3 | 41.9 | 27.8 | 28.6 | 38.2 | 51.7 | 170 | 672 |
 
+  (2 to 16 rows in finer steps, `bench/results/blas_cpu_onednn_rows.json`: oneDNN 45 ms at
+  2 rows, 29-31 at 3-6, 36-39 at 7-8, 43-56 at 10-16; so 2 rows are padded to 3.)
+
   So on OpenBLAS alone a verify of 4-8 tokens cost 2-2.5 decode steps and speculation rarely
   paid on CPU. torch's own ops run on one thread beside OpenBLAS: with two, its pool and
   OpenBLAS's spin against each other (plain decoding fell from 36 to 3.6 tok/s).
@@ -103,6 +106,9 @@ def cpu_linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = N
     if m == "onednn" and not ONEDNN_MIN_ROWS <= x.shape[0] <= ONEDNN_MAX_ROWS:
         m = "numpy"
     if m == "onednn" and not w_t.requires_grad and not x.requires_grad:
+        if x.shape[0] == 2:      # 2 rows ran 1.5x slower than 3 here: padded with a zero row
+            x = torch.cat([x, x.new_zeros(1, x.shape[1])])
+            return torch.ops.mkldnn._linear_pointwise(x, packed(w_t), bias, "none", [], "")[:2]
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed(w_t), bias,
                                                   "none", [], "")
     if m == "numpy" and not w_t.requires_grad and not x.requires_grad:
