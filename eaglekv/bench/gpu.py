@@ -44,6 +44,11 @@ MODES = {"plain": None,
                                      num_draft_tokens=6),
          "eagle3_tree_S4K2N8": dict(algorithm="eagle3", num_steps=4, topk=2,
                                     num_draft_tokens=8),
+         # the wider trees: held-out accept 4.01 / 4.34 with the shipped EAGLE-3 head (CPU fp32)
+         "eagle3_tree_S6K4N16": dict(algorithm="eagle3", num_steps=6, topk=4,
+                                     num_draft_tokens=16),
+         "eagle3_tree_S7K4N24": dict(algorithm="eagle3", num_steps=7, topk=4,
+                                     num_draft_tokens=24),
          "adaptive": dict(adaptive=True),
          # built and run with every index check off (guard.unchecked): what the checks cost
          "plain_unchecked": None,

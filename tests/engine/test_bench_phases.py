@@ -126,3 +126,30 @@ def test_the_floor_runs_in_the_bench_process(tmp_path):
     bad.write_text('print("nothing useful")\n')
     with pytest.raises(RuntimeError, match="printed no"):
         floor_rows(str(bad))
+
+
+def test_modes_with_a_cpu_library_compare_within_their_library():
+    """`name@lib` modes (the CPU matmul library): each is compared with plain decoding of
+    the same library, adaptive with the best fixed shape of its library, and a mode run with
+    two libraries with itself."""
+    from eaglekv.bench.gpu import compare, mode_checks, split_mode
+    from eaglekv.model import cpu_blas
+    assert split_mode("eagle_chain_S5K1N6@numpy") == ("eagle_chain_S5K1N6", "numpy")
+    assert split_mode("plain_unchecked") == ("plain_unchecked", None)
+
+    def row(*tps):
+        return {"rows": {1: {"tokens_per_s": tps[0]}, 4: {"tokens_per_s": tps[1]}}}
+    result = {"modes": {"plain@numpy": row(10, 20), "plain@onednn": row(10, 40),
+                        "eagle_chain_S5K1N6@numpy": row(15, 20),
+                        "eagle_chain_S5K1N6@onednn": row(20, 60),
+                        "adaptive@onednn": row(19, 57)}}
+    compare(result)
+    assert result["speedup_vs_plain"]["eagle_chain_S5K1N6@numpy"] == {1: 1.5, 4: 1.0}
+    assert result["speedup_vs_plain"]["eagle_chain_S5K1N6@onednn"] == {1: 2.0, 4: 1.5}
+    assert result["adaptive_vs"]["@onednn"] == {1: {"plain": 1.9, "best_fixed": 0.95},
+                                               4: {"plain": 1.425, "best_fixed": 0.95}}
+    assert result["cpu_blas_vs"]["plain: onednn / numpy"] == {1: 1.0, 4: 2.0}
+    before = cpu_blas.mode()
+    with mode_checks("plain@torch"):
+        assert cpu_blas.mode() == "torch"
+    assert cpu_blas.mode() == before
