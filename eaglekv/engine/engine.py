@@ -25,7 +25,8 @@ from eaglekv.engine.scheduler import Scheduler
 from eaglekv.errors import ConfigError, RequestError
 from eaglekv.memory import KVPool, ReqToTokenPool, SlotAllocator
 from eaglekv.model import LlamaForCausalLM
-from eaglekv.model.llama import cpu_blas_threads
+from eaglekv.model import cpu_blas
+from eaglekv.model.llama import cpu_blas_threads, linear_weights
 from eaglekv.model.loader import load_checkpoint
 from eaglekv.runner import ModelRunner, RunnerResources
 from eaglekv.speculative.factory import (build_runner, draft_bytes_per_slot,
@@ -99,6 +100,12 @@ class Engine:
         self.runner = (build_runner(res, spec, draft_ckpt, drafter, cfg.decode_steps)
                        if spec.enabled
                        else ModelRunner(res, self._decode_graphs(res), cfg.decode_steps))
+        if self.device.type == "cpu" and spec.enabled:   # every verify multiplies 2+ rows
+            t0 = time.perf_counter()
+            drafter = getattr(self.runner, "drafter", None)
+            if cpu_blas.prepack(linear_weights(self.model)
+                                + linear_weights(getattr(drafter, "model", None))):
+                self.load_times["weights prepacked"] = time.perf_counter() - t0
         self.scheduler = Scheduler(cfg, self.allocator, self.req_to_token, self.runner,
                                    self.device)
         self._rids = itertools.count()

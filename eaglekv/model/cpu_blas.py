@@ -46,6 +46,8 @@ PACK_HINT = 8          # the batch size oneDNN's layout is chosen for (1 picks a
 #                        ran a forward 4x slower at every M here)
 ONEDNN_MIN_ROWS = 2    # fewer rows (one token: a GEMV) go to OpenBLAS, and so do more than
 ONEDNN_MAX_ROWS = 16   # this (a prefill chunk, a batch-64 decode): there OpenBLAS's threads win
+PACK_AFTER = 16        # a weight not prepacked is reordered at its 16th call of 2-16 rows: an
+#                        S5 verify saves ~29 ms of matmuls, reordering all costs 0.33-0.56 s
 _mode = os.environ.get("EAGLEKV_CPU_BLAS", "onednn")
 
 
@@ -83,15 +85,45 @@ def threads() -> int | None:
     return None if mode() == "torch" else 1
 
 
-def packed(w_t: torch.Tensor):
-    """The oneDNN-reordered copy of `w_t` (in, out), made on first use and kept on the
-    tensor; made again if `w_t` was changed in place since."""
+def packed(w_t: torch.Tensor, now: bool = True):
+    """The oneDNN-reordered copy of `w_t` (in, out), kept on the tensor and made again if
+    `w_t` was changed in place since. Not made yet and `now` False: made only at this
+    weight's `PACK_AFTER`-th call (returns None before): reordering SmolLM2's weights takes
+    ~0.5 s, which a one-shot `eaglekv generate` with a few batched calls never earns back
+    (ski rental: rent with OpenBLAS until the rent paid reaches the price)."""
     hit = getattr(w_t, "_eaglekv_packed", None)
     if hit is not None and hit[0] == w_t._version:
         return hit[1]
+    if not now and hit is None:      # (a stale copy is made again at once)
+        calls = getattr(w_t, "_eaglekv_calls", 0) + 1
+        w_t._eaglekv_calls = calls
+        if calls < PACK_AFTER:
+            return None
     p = torch.ops.mkldnn._reorder_linear_weight(w_t.t().contiguous(), PACK_HINT)
     w_t._eaglekv_packed = (w_t._version, p)
     return p
+
+
+def prepack(weights) -> int:
+    """Reorder `weights` for oneDNN now, on every core (engines that will verify: a CPU
+    speculative engine prepacks its target's and its draft's weights while it is built, so
+    its steps and their measured costs are the same from the first). -> bytes reordered."""
+    if mode() != "onednn":
+        return 0
+    done, total = set(), 0
+    old = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        for w in weights:
+            if (id(w) in done or w.device.type != "cpu" or w.dtype != torch.float32
+                    or w.dim() != 2 or w.requires_grad):
+                continue
+            done.add(id(w))
+            packed(w)
+            total += w.numel() * w.element_size()
+    finally:
+        torch.set_num_threads(old)
+    return total
 
 
 def cpu_linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None):
@@ -102,16 +134,17 @@ def cpu_linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = N
     if (x.device.type != "cpu" or x.dtype != torch.float32 or w_t.dtype != torch.float32
             or w_t.dim() != 2 or x.dim() != 2):
         return None
+    if w_t.requires_grad or x.requires_grad:
+        return None
     m = mode()
-    if m == "onednn" and not ONEDNN_MIN_ROWS <= x.shape[0] <= ONEDNN_MAX_ROWS:
-        m = "numpy"
-    if m == "onednn" and not w_t.requires_grad and not x.requires_grad:
-        if x.shape[0] == 2:      # 2 rows ran 1.5x slower than 3 here: padded with a zero row
-            x = torch.cat([x, x.new_zeros(1, x.shape[1])])
-            return torch.ops.mkldnn._linear_pointwise(x, packed(w_t), bias, "none", [], "")[:2]
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed(w_t), bias,
-                                                  "none", [], "")
-    if m == "numpy" and not w_t.requires_grad and not x.requires_grad:
+    if m == "onednn" and ONEDNN_MIN_ROWS <= x.shape[0] <= ONEDNN_MAX_ROWS:
+        p = packed(w_t, now=False)
+        if p is not None:
+            if x.shape[0] == 2:      # 2 rows ran 1.5x slower than 3 here: padded with zeros
+                x3 = torch.cat([x, x.new_zeros(1, x.shape[1])])
+                return torch.ops.mkldnn._linear_pointwise(x3, p, bias, "none", [], "")[:2]
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), p, bias, "none", [], "")
+    if m in ("onednn", "numpy"):
         y = torch.from_numpy(np.matmul(x.numpy(), w_t.numpy()))          # shares memory
         return y if bias is None else y.add_(bias)
     return None

@@ -54,6 +54,22 @@ def linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None)
     return torch.addmm(bias, x, w_t) if bias is not None else x @ w_t
 
 
+LINEAR_WEIGHTS = ("qkv", "o", "gate_up", "down", "fc", "lm_head_t")
+
+
+def linear_weights(obj) -> list[torch.Tensor]:
+    """The weights `linear` multiplies by, of a model, a draft model or a layer (its
+    `layers` and `layer` too): what a CPU engine prepacks (cpu_blas.prepack)."""
+    if obj is None:
+        return []
+    out = [w for name in LINEAR_WEIGHTS
+           if isinstance(w := getattr(obj, name, None), torch.Tensor)]
+    for lay in [*(getattr(obj, "layers", None) or []), getattr(obj, "layer", None)]:
+        if lay is not None and lay is not obj:
+            out += linear_weights(lay)
+    return out
+
+
 def fuse_layer(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One layer's Hugging Face tensors -> the engine's layout, stored (in, out): qkv
     (H, q+2kv), o (q, H), gate_up (H, 2I), down (I, H). Entries of `w` are popped as they are

@@ -32,7 +32,9 @@ def test_each_library_equals_the_reference_matmul(blas_mode, mode, rows, k, n, b
     w_t = torch.randn(k, n, generator=g) / k ** 0.5
     b = torch.randn(n, generator=g) if bias else None
     want = x.double() @ w_t.double() + (0 if b is None else b.double())
+    cpu_blas.prepack([w_t])                   # onednn: reordered now, not at its 16th call
     got = linear(x, w_t, b)
+    assert hasattr(w_t, "_eaglekv_packed") == (mode == "onednn")
     assert got.shape == (rows, n) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
@@ -44,6 +46,7 @@ def test_a_strided_input_is_multiplied_as_its_values(blas_mode):
     big = torch.randn(6, 2 * 64, generator=g)
     x = big[:, ::2]                           # not contiguous
     w_t = torch.randn(64, 32, generator=g)
+    cpu_blas.prepack([w_t])
     torch.testing.assert_close(linear(x, w_t), x @ w_t, rtol=1e-5, atol=1e-5)
 
 
@@ -53,6 +56,7 @@ def test_the_packed_copy_follows_a_weight_changed_in_place(blas_mode):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(4, 32, generator=g)
     w_t = torch.randn(32, 48, generator=g)
+    cpu_blas.prepack([w_t])
     first = linear(x, w_t)
     packed = w_t._eaglekv_packed[1]
     assert linear(x, w_t) is not None and w_t._eaglekv_packed[1] is packed   # kept
@@ -62,14 +66,45 @@ def test_the_packed_copy_follows_a_weight_changed_in_place(blas_mode):
 
 
 @pytest.mark.skipif(not cpu_blas.onednn_available(), reason="this torch has no oneDNN")
-def test_one_row_and_long_chunks_go_to_openblas_and_the_rest_to_the_packed_weight(blas_mode):
+def test_a_weight_is_reordered_at_its_pack_after_th_call_of_2_to_16_rows(blas_mode):
+    """Ski rental: OpenBLAS until the weight's PACK_AFTER-th call of 2-16 rows, then oneDNN;
+    one row and long chunks never count (OpenBLAS takes them)."""
     blas_mode("onednn")
     w_t = torch.randn(32, 48)
     for rows in (1, cpu_blas.ONEDNN_MAX_ROWS + 1, 64):
         linear(torch.randn(rows, 32), w_t)
-        assert not hasattr(w_t, "_eaglekv_packed")      # OpenBLAS, nothing packed
-    linear(torch.randn(cpu_blas.ONEDNN_MIN_ROWS, 32), w_t)
-    assert hasattr(w_t, "_eaglekv_packed")
+    assert not hasattr(w_t, "_eaglekv_calls")
+    for i in range(1, cpu_blas.PACK_AFTER + 1):
+        x = torch.randn(cpu_blas.ONEDNN_MIN_ROWS + i % 3, 32)
+        torch.testing.assert_close(linear(x, w_t), x @ w_t, rtol=1e-5, atol=1e-5)
+        assert hasattr(w_t, "_eaglekv_packed") == (i == cpu_blas.PACK_AFTER)
+
+
+@pytest.mark.skipif(not cpu_blas.onednn_available(), reason="this torch has no oneDNN")
+def test_prepack_reorders_each_cpu_fp32_weight_once(blas_mode):
+    blas_mode("onednn")
+    a, b = torch.randn(16, 8), torch.randn(8, 4)
+    skipped = [torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 8, requires_grad=True),
+               torch.randn(16)]
+    assert cpu_blas.prepack([a, b, a, *skipped]) == (16 * 8 + 8 * 4) * 4
+    assert hasattr(a, "_eaglekv_packed") and hasattr(b, "_eaglekv_packed")
+    assert not any(hasattr(w, "_eaglekv_packed") for w in skipped)
+    blas_mode("numpy")
+    assert cpu_blas.prepack([torch.randn(4, 4)]) == 0
+
+
+def test_a_speculative_cpu_engine_prepacks_its_target_and_draft_weights(tiny_dir):
+    """Every linear weight of the target and the draft is reordered while the engine is
+    built (so its first verify costs what the later ones do), and generation is unchanged."""
+    from eaglekv.model.llama import linear_weights
+    from helpers import spec, tiny_engine
+    if cpu_blas.mode() != "onednn":
+        pytest.skip("oneDNN is not the library in use")
+    e = tiny_engine(tiny_dir, speculative=spec("eagle", 3, 1, 4))
+    weights = linear_weights(e.model) + linear_weights(e.runner.drafter.model)
+    assert len(weights) >= 4 * e.model_config.num_layers + 1 + 2
+    assert all(hasattr(w, "_eaglekv_packed") for w in weights)
+    assert "weights prepacked" in e.load_times
 
 
 @pytest.mark.parametrize("mode", MODES)
