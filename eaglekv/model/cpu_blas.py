@@ -7,10 +7,12 @@ one process):
   requests, a draft tree's level) by oneDNN on a copy of the weight reordered once into
   oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the prepacked linear
   PyTorch's Inductor uses for frozen CPU weights), on torch's one thread; one row and more
-  than 16 by OpenBLAS as `numpy` does. The copy is made at a weight's first use with 2-16
-  rows and kept on the tensor (`_eaglekv_packed`, with the weight's version counter: a weight
-  changed in place is reordered again): 540 MB more for SmolLM2-135M once it has verified or
-  batched. Weights that require grad are never packed (training runs through autograd).
+  than 16 by OpenBLAS as `numpy` does. The copy is kept on the tensor (`_eaglekv_packed`,
+  with the weight's version counter: a weight changed in place is reordered again), 540 MB
+  more for SmolLM2-135M. A CPU speculative engine makes it for its target's and draft's
+  weights while it is built (`prepack`, 0.47 s here on both cores); any other weight gets it
+  at its `PACK_AFTER`-th call of 2-16 rows. Weights that require grad are never packed
+  (training runs through autograd).
 - `numpy`: every matmul by numpy's BLAS (OpenBLAS). On this project's AMD EPYC it runs its
   AVX-512 kernels where torch's oneMKL takes a generic path, and it is the fastest library
   for one row (a GEMV) and for long prefill chunks, but from 2 rows up to ~24 it repacks the
