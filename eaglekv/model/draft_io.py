@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -117,13 +118,24 @@ def llama_fields(d: dict, what: str) -> dict:
         if key not in d:
             raise ModelLoadError(f"{what} config.json lacks {key!r}")
     H, heads = d["hidden_size"], d["num_attention_heads"]
-    from transformers import LlamaConfig   # transformers takes seconds to import: on first use
-    rope_keys = {k: v for k, v in d.items() if k not in ("model_type", "architectures")}
     return dict(hidden_size=H, num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
                 head_dim=d.get("head_dim") or H // heads, intermediate_size=d["intermediate_size"],
                 rms_norm_eps=d.get("rms_norm_eps", 1e-6), vocab_size=d["vocab_size"],
                 max_position_embeddings=d.get("max_position_embeddings", 2048),
-                hf_dict=dict(d), rope=LlamaConfig(**rope_keys))
+                hf_dict=dict(d), rope=draft_rope_config(d))
+
+
+def draft_rope_config(d: dict):
+    """What RotaryEmbedding reads of a draft's config.json `d`: the plain RoPE of a theta
+    as a namespace, anything scaled as a transformers LlamaConfig (whose rope functions
+    compute it). transformers takes 1.5 s to import: the shipped heads, plain RoPE, load
+    without it."""
+    params = d.get("rope_parameters") or d.get("rope_scaling")
+    if not params or params.get("rope_type", params.get("type", "default")) == "default":
+        theta = (params or {}).get("rope_theta", d.get("rope_theta", 10000.0))
+        return SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": theta})
+    from transformers import LlamaConfig   # on first use
+    return LlamaConfig(**{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
 
 
 def decoder_layer_config(c) -> ModelConfig:

@@ -211,3 +211,42 @@ def test_draft_model_checks_target(target):
     with pytest.raises(ModelLoadError, match="no embed_tokens.weight"):
         EagleDraftModel(EagleDraftConfig.from_dict(cfg_dict, sd), sd, model, torch.float32,
                         use_own_embed=True)
+
+
+@pytest.mark.parametrize("d", [
+    {"rope_theta": 100000.0, "rope_scaling": None},
+    {},                                                       # transformers' default theta
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+    {"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 8192}},
+    {"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}},
+], ids=["plain", "no-keys", "rope_parameters", "llama3", "linear"])
+def test_draft_rope_equals_the_transformers_configs(d):
+    """A draft's RoPE from its config.json: a plain theta without transformers (1.5 s to
+    import), scaled RoPE through LlamaConfig; the same frequencies as LlamaConfig's."""
+    from transformers import LlamaConfig
+    from eaglekv.model.draft_io import draft_rope_config
+    from eaglekv.model.rope import inv_freq_and_scale
+    full = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96,
+            "vocab_size": 100, "max_position_embeddings": 4096, **d}
+    got = inv_freq_and_scale(draft_rope_config(full), 16)
+    want = inv_freq_and_scale(LlamaConfig(**full), 16)
+    torch.testing.assert_close(got[0], want[0])
+    assert got[1] == pytest.approx(want[1])
+
+
+def test_the_shipped_drafts_load_without_importing_transformers():
+    """With the target's converted weights cached (a first load converts the GGUF, which
+    may use transformers), an engine with the shipped EAGLE head never imports it."""
+    import subprocess
+    import sys
+    build = ("import sys; from eaglekv.engine import Engine; "
+             "Engine(model='default', device='cpu', max_total_tokens=512{spec}); "
+             "print('transformers' in sys.modules)")
+    spec = (", speculative=dict(algorithm='eagle', draft_model='default', num_steps=3, "
+            "topk=1, num_draft_tokens=4)")
+    runs = [subprocess.run([sys.executable, "-c", build.format(spec=s)], capture_output=True,
+                           text=True, timeout=300) for s in ("", spec)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+    assert runs[1].stdout.strip().splitlines()[-1] == "False"
