@@ -63,7 +63,7 @@ for phase in "$@"; do
       python3 -m eaglekv.cli eval-draft --model "$M" --spec eagle3 --draft $R/head3 \
         --prompts $R/sg/heldout_prompts.json --max-prompts "${EVAL_PROMPTS:-40}" \
         --max-new-tokens 128 --device "$DEV" --dtype "${DTYPE:-bfloat16}" \
-        --shapes "${SHAPES:-S3K1N4,S5K1N6,tree:S4K2N8}" --temperatures "${TEMPS:-0,0.7}" \
+        --shapes "${SHAPES:-S3K1N4,S5K1N6,tree:S4K2N8,tree:S6K4N16,tree:S7K4N24}" --temperatures "${TEMPS:-0,0.7}" \
         ${ALSO_DRAFT:+--also-draft "$ALSO_DRAFT"} \
         --out "$OUT/eval_draft_eagle3_h200.json" > "$OUT/eval.log" 2>&1
       echo "rc=$?"; tail -12 "$OUT/eval.log"
