@@ -78,7 +78,8 @@ class Engine:
         size = plan_kv_size(cfg, mc, self.max_context_len,
                             draft_bytes_per_slot(draft_ckpt, cfg.torch_dtype)
                             + (feature_bytes_per_slot(spec, mc, cfg.torch_dtype)
-                               if spec.enabled else 0))
+                               if spec.enabled else 0),
+                            reserved_bytes=self._prepack_bytes(spec, draft_ckpt))
         self.req_to_token = ReqToTokenPool(
             cfg.max_running_requests, self.max_context_len,
             extra=extra_columns(hull, cfg.page_size) if spec.enabled else 0, device=self.device)
@@ -113,6 +114,16 @@ class Engine:
         self.owners = None        # the ownership checked mode (check_ownership), off
         if os.environ.get("EAGLEKV_CHECK_OWNERSHIP") == "1":
             self.check_ownership()
+
+    def _prepack_bytes(self, spec, draft_ckpt) -> int:
+        """What the oneDNN copies of the weights will take (a CPU speculative engine makes
+        them once its runner is built; cpu_blas.prepack): the target's linear weights and
+        every 2-D tensor of the draft's checkpoint (an upper bound)."""
+        if self.device.type != "cpu" or not spec.enabled or cpu_blas.mode() != "onednn":
+            return 0
+        sd = getattr(draft_ckpt, "state_dict", None) or {}
+        return sum(w.numel() * 4 for w in linear_weights(self.model)
+                   + [t for t in sd.values() if isinstance(t, torch.Tensor) and t.dim() == 2])
 
     def _decode_graphs(self, res: RunnerResources):
         """The plain runner's captured decode steps (CUDA, unless disabled), else None."""

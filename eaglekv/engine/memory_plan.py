@@ -19,14 +19,17 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def plan_kv_size(cfg: EngineConfig, mc: ModelConfig, max_context_len: int,
-                 extra_bytes_per_slot: int = 0) -> int:
-    """`extra_bytes_per_slot`: the draft's KV per slot (its pool shares the slot ids)."""
+                 extra_bytes_per_slot: int = 0, reserved_bytes: int = 0) -> int:
+    """`extra_bytes_per_slot`: the draft's KV per slot (its pool shares the slot ids);
+    `reserved_bytes`: memory the engine takes after sizing the pool (a CPU speculative
+    engine's weights reordered for oneDNN): the fraction is of what is free without it."""
     ps = cfg.page_size
     per_slot = KVPool.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                      cfg.torch_dtype) + extra_bytes_per_slot
     if cfg.max_total_tokens is not None:
         return -(-cfg.max_total_tokens // ps) * ps      # whole pages
-    budget = int(free_memory_bytes(torch.device(cfg.device)) * cfg.mem_fraction)
+    free = max(0, free_memory_bytes(torch.device(cfg.device)) - reserved_bytes)
+    budget = int(free * cfg.mem_fraction)
     useful = cfg.max_running_requests * max_context_len  # more could never be used
     size = min(budget // per_slot, useful) // ps * ps
     if size < ps:

@@ -280,3 +280,30 @@ def test_batched_sampling_equals_the_per_row_rule():
             if not p.greedy else int(logits[r].argmax()) for r, (p, s) in
             enumerate(zip(mixed, seeds))]
     assert got == want
+
+
+def test_the_pool_fraction_leaves_out_the_memory_prepacking_will_take(tiny_dir, monkeypatch):
+    """A CPU speculative engine reorders its weights for oneDNN after sizing the pool: the
+    pool's fraction is of the memory free without those bytes."""
+    from eaglekv.config import EngineConfig
+    from eaglekv.engine import memory_plan
+    from eaglekv.model import cpu_blas
+    from eaglekv.model.config import ModelConfig
+    monkeypatch.setattr(memory_plan, "free_memory_bytes", lambda device: 1 << 30)
+    cfg = EngineConfig(model=str(tiny_dir), device="cpu", mem_fraction=0.5,
+                       max_running_requests=1024)
+    mc = ModelConfig(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=96,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                     rms_norm_eps=1e-6, max_position_embeddings=4096,
+                     tie_word_embeddings=True, attention_bias=False, qk_norm=False)
+    whole = memory_plan.plan_kv_size(cfg, mc, 4096)
+    half = memory_plan.plan_kv_size(cfg, mc, 4096, reserved_bytes=1 << 29)
+    assert half == pytest.approx(whole / 2, abs=cfg.page_size)
+    with pytest.raises(ConfigError, match="less than one page"):
+        memory_plan.plan_kv_size(cfg, mc, 4096, reserved_bytes=1 << 31)
+    if cpu_blas.mode() == "onednn":   # what the engine reserves: its weights' bytes at least
+        from helpers import spec
+        e = tiny_engine(tiny_dir, speculative=spec("eagle", 3, 1, 4))
+        from eaglekv.model.llama import linear_weights
+        assert e._prepack_bytes(e.config.speculative, None) == sum(
+            w.numel() * 4 for w in linear_weights(e.model))
