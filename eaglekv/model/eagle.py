@@ -27,13 +27,17 @@ from eaglekv.errors import ModelLoadError
 from eaglekv.model.llama import DecoderLayer, LlamaForCausalLM, ModelOutput, linear, t
 from eaglekv.model.rope import RotaryEmbedding
 from eaglekv.model.draft_checkpoint import LAYER, EagleDraftConfig, check_eagle_state_dict
-from eaglekv.model.draft_io import check_against_target
+from eaglekv.model.draft_io import check_against_target, spread_logits
 
 
 class EagleDraftModel:
     def __init__(self, cfg: EagleDraftConfig, sd: dict[str, torch.Tensor],
                  target: LlamaForCausalLM, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", *, use_own_embed: bool = False):
+                 device: torch.device | str = "cpu", *, use_own_embed: bool = False,
+                 vocab_ids: torch.Tensor | None = None):
+        """`vocab_ids`: the target ids this head may propose (draft_io.read_draft_vocab);
+        its LM head is then the target's columns of them and its logits are spread back over
+        the target vocabulary, -inf elsewhere. None: the whole vocabulary."""
         # 1. config: checked against the target whose hidden states and head it uses
         check_against_target(cfg, target.cfg)
         check_eagle_state_dict(cfg, sd)
@@ -49,8 +53,12 @@ class EagleDraftModel:
         self.layer = DecoderLayer(cfg.layer_config(), {
             n[len(LAYER):]: w for n, w in sd.items() if n.startswith(LAYER)})
         self.embed = sd["embed_tokens.weight"] if use_own_embed else None  # (V, H)
-        # (H, V), shared with the target (a copy only when dtype or device differ)
-        self.lm_head_t = target.lm_head_t.to(device=device, dtype=dtype)
+        # (H, V), shared with the target (a copy only when dtype or device differ); (H, Vd),
+        # the target's columns of `vocab_ids`, with a reduced vocabulary
+        self.vocab_ids = None if vocab_ids is None else vocab_ids.to(device)
+        self.lm_head_t = (target.lm_head_t.to(device=device, dtype=dtype) if vocab_ids is None
+                          else target.lm_head_t.index_select(1, vocab_ids.to(
+                              target.lm_head_t.device)).to(device=device, dtype=dtype))
         # 3. RoPE with the draft's own theta/scaling, as many positions as the target serves
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, target.rope.max_positions, device)
 
@@ -81,5 +89,7 @@ class EagleDraftModel:
                                          backend, meta, 0)
         g = residual + x                                                          # (T, H)
         gs = g if logits_indices is None else g[logits_indices]                   # (n, H)
-        logits = linear(gs, self.lm_head_t)                                             # (n, V)
+        logits = linear(gs, self.lm_head_t)                                      # (n, V or Vd)
+        if self.vocab_ids is not None:
+            logits = spread_logits(logits, self.vocab_ids, self.cfg.vocab_size)  # (n, V)
         return ModelOutput(logits=logits, hidden=g)

@@ -30,7 +30,7 @@ from eaglekv.errors import ModelLoadError
 from eaglekv.model.config import ModelConfig
 from eaglekv.model.llama import DecoderLayer, LlamaForCausalLM, ModelOutput, linear, rms_norm, t
 from eaglekv.model.rope import RotaryEmbedding
-from eaglekv.model.draft_io import check_against_target, decoder_layer_config
+from eaglekv.model.draft_io import check_against_target, decoder_layer_config, spread_logits
 from eaglekv.model.eagle3_checkpoint import MID, Eagle3DraftConfig, check_eagle3_state_dict
 
 
@@ -141,5 +141,4 @@ class Eagle3DraftModel:
     def to_target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """(n, Vd) -> (n, V): column d2t_target_ids[i] = draft column i, -inf elsewhere (a
         target token outside the draft vocabulary can never be proposed)."""
-        out = draft_logits.new_full((draft_logits.shape[0], self.cfg.vocab_size), float("-inf"))
-        return out.index_copy_(1, self.d2t_target_ids, draft_logits)            # (n, V)
+        return spread_logits(draft_logits, self.d2t_target_ids, self.cfg.vocab_size)

@@ -21,6 +21,7 @@ from eaglekv.errors import ConfigError
 from eaglekv.memory import KVPool
 from eaglekv.model.config import ModelConfig
 from eaglekv.model.draft_checkpoint import EagleDraftConfig, load_eagle_draft, random_eagle_draft
+from eaglekv.model.draft_io import read_draft_vocab
 from eaglekv.model.eagle import EagleDraftModel
 from eaglekv.model.eagle3 import Eagle3DraftModel
 from eaglekv.model.eagle3_checkpoint import (Eagle3DraftConfig, load_eagle3_draft,
@@ -40,6 +41,7 @@ class DraftCheckpoint:
     config: object
     state_dict: dict
     num_pools: int = 1            # one-layer KV pools the draft keeps (S for multi-layer)
+    vocab_ids: torch.Tensor | None = None   # EAGLE-1/2: the ids it may propose (None: all)
 
 
 _DRAFTS = Path(__file__).resolve().parent.parent / "drafts"
@@ -63,7 +65,9 @@ def _load_eagle(spec, target, seed) -> DraftCheckpoint:
     if spec.draft_model == "random":
         d, sd = random_eagle_draft(target, seed=seed)
         return DraftCheckpoint("eagle", EagleDraftConfig.from_dict(d, sd), sd)
-    return DraftCheckpoint("eagle", *load_eagle_draft(draft_path(spec), target))
+    path = draft_path(spec)
+    return DraftCheckpoint("eagle", *load_eagle_draft(path, target),
+                           vocab_ids=read_draft_vocab(path, target.vocab_size))
 
 
 def _load_eagle3(spec, target, seed) -> DraftCheckpoint:
@@ -88,7 +92,8 @@ def _pool_args(res: RunnerResources) -> tuple:
 
 
 def _eagle_drafter(res, spec, ckpt):
-    model = EagleDraftModel(ckpt.config, ckpt.state_dict, res.model, res.dtype, res.device)
+    model = EagleDraftModel(ckpt.config, ckpt.state_dict, res.model, res.dtype, res.device,
+                            vocab_ids=ckpt.vocab_ids)
     return EagleDrafter(model, *_pool_args(res), backend_cls=type(res.backend))
 
 

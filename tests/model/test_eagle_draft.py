@@ -250,3 +250,67 @@ def test_the_shipped_drafts_load_without_importing_transformers():
                            text=True, timeout=300) for s in ("", spec)]
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
     assert runs[1].stdout.strip().splitlines()[-1] == "False"
+
+
+# ---- a reduced draft vocabulary (draft_vocab.json) ---------------------------------------------
+def test_a_reduced_vocabulary_keeps_its_columns_and_closes_the_rest(target):
+    """With `vocab_ids` the head's logits are the full head's at those ids (its LM head is the
+    target's columns of them) and -inf at every other id: nothing else can be proposed."""
+    model, _ = target
+    cfg_dict, sd = random_eagle_draft(model.cfg, seed=3, std=0.1)
+    cfg = EagleDraftConfig.from_dict(cfg_dict, sd)
+    ids = torch.tensor(sorted(torch.randperm(model.cfg.vocab_size,
+                                             generator=torch.Generator().manual_seed(0))[:40]
+                              .tolist()))
+    full = EagleDraftModel(cfg, sd, model, torch.float32)
+    small = EagleDraftModel(cfg, sd, model, torch.float32, vocab_ids=ids)
+    assert small.lm_head_t.shape == (model.cfg.hidden_size, 40)
+    seqs = [make_seq(9, model.cfg.hidden_size, 1), make_seq(5, model.cfg.hidden_size, 2)]
+    want = run_draft(DraftRunner(full, 1), seqs, [[6, 3], [3, 2]])
+    got = run_draft(DraftRunner(small, 1), seqs, [[6, 3], [3, 2]])
+    others = torch.ones(model.cfg.vocab_size, dtype=torch.bool)
+    others[ids] = False
+    for (lg_full, g_full), (lg, g) in zip(want, got):
+        torch.testing.assert_close(g, g_full)
+        torch.testing.assert_close(lg[:, ids], lg_full[:, ids])
+        assert torch.isneginf(lg[:, others]).all()
+
+
+@pytest.mark.parametrize("content,match", [
+    ('{"target_ids": [3, 1, 2]}', "sorted list of distinct"),
+    ('{"target_ids": [1, 1]}', "sorted list of distinct"),
+    ('{"target_ids": [0, 256]}', r"in \[0, 256\)"),
+    ('{"target_ids": []}', "non-empty"),
+    ('{"target_ids": [1, 2.5]}', "not an integer"),
+    ('{"ids": [1, 2]}', "cannot read"),
+    ("not json", "cannot read"),
+])
+def test_a_bad_draft_vocabulary_file_is_refused_by_name(tmp_path, content, match):
+    from eaglekv.model.draft_io import DRAFT_VOCAB_FILE, read_draft_vocab
+    assert read_draft_vocab(tmp_path, 256) is None                  # absent: the whole vocab
+    (tmp_path / DRAFT_VOCAB_FILE).write_text(content)
+    with pytest.raises(ModelLoadError, match=match) as e:
+        read_draft_vocab(tmp_path, 256)
+    assert DRAFT_VOCAB_FILE in str(e.value)
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 4), (3, 2, 6)], ids=["chain", "tree"])
+def test_a_head_with_a_reduced_vocabulary_stays_lossless(tmp_path, tiny_dir, shape):
+    """An EAGLE-1 head directory with draft_vocab.json: the engine loads it (the LM head is
+    the 40 listed columns), and greedy speculation equals plain greedy token for token."""
+    import json
+    from eaglekv import SamplingParams
+    from eaglekv.model.draft_io import DRAFT_VOCAB_FILE
+    from helpers import spec, tiny_engine
+    plain = tiny_engine(tiny_dir)
+    cfg_dict, sd = random_eagle_draft(plain.model_config, seed=5, std=0.1)
+    save_eagle_draft(tmp_path, cfg_dict, sd)
+    ids = list(range(0, 200, 5))
+    (tmp_path / DRAFT_VOCAB_FILE).write_text(json.dumps({"target_ids": ids}))
+    e = tiny_engine(tiny_dir, speculative=spec("eagle", *shape, draft=str(tmp_path)))
+    assert e.runner.drafter.model.lm_head_t.shape[1] == len(ids)
+    prompts = [[5, 17, 42], list(range(1, 12)), [9] * 7]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    assert ([o.token_ids for o in e.generate(prompts, params)]
+            == [o.token_ids for o in plain.generate(prompts, params)])
+    e.check_memory()
