@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import eaglekv  # noqa: F401  (before torch loads numpy: OpenBLAS's threads sleep, cpu_blas)
 import pytest
 import torch
 

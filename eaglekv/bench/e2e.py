@@ -130,7 +130,7 @@ def run_bench(model: str = "default", dtype: str = "float32", device: str = "cpu
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "torch": torch.__version__, "torch_threads": {"hf_transformers": hf_threads,
                                                         "eaglekv": ek_threads},
-        "cpu_blas": cpu_blas.mode() if device == "cpu" else None,
+        "cpu_blas": cpu_blas.describe() if device == "cpu" else None,
         "model": model, "dtype": dtype, "batch": 1,
         "prompt_tokens": len(ids), "new_tokens": new_tokens, "repeats": repeats,
         "tokens_per_s": {k: statistics.median(v) for k, v in rows.items() if v},

@@ -57,7 +57,7 @@ MODES = {"plain": None,
 
 def split_mode(mode: str) -> tuple[str, str | None]:
     """`name@lib` -> (name, lib): the mode `name` with the CPU matmul library `lib`
-    (model/cpu_blas.py: onednn, numpy, torch), so libraries compare in one process."""
+    (model/cpu_blas.py: onednn, onednn1, numpy, torch), so libraries compare in one process."""
     name, _, lib = mode.partition("@")
     return name, lib or None
 

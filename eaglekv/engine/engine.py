@@ -119,7 +119,7 @@ class Engine:
         """What the oneDNN copies of the weights will take (a CPU speculative engine makes
         them once its runner is built; cpu_blas.prepack): the target's linear weights and
         every 2-D tensor of the draft's checkpoint (an upper bound)."""
-        if self.device.type != "cpu" or not spec.enabled or cpu_blas.mode() != "onednn":
+        if self.device.type != "cpu" or not spec.enabled or not cpu_blas.packs():
             return 0
         sd = getattr(draft_ckpt, "state_dict", None) or {}
         return sum(w.numel() * 4 for w in linear_weights(self.model)

@@ -94,8 +94,8 @@ class AdaptiveWorker:
         shapes, dtype, graphs, draft."""
         res, mc = self.res, self.res.model.cfg
         dev = (torch.cuda.get_device_name(res.device) if res.device.type == "cuda"
-               else f"{platform.machine()} {platform.processor()} {torch.get_num_threads()}t "
-               f"{cpu_blas.mode()}")                 # the CPU matmul library (cpu_blas.py)
+               else f"{platform.machine()} {platform.processor()} "
+               f"{cpu_blas.describe()}")             # the CPU matmul library (cpu_blas.py)
         return {"device": dev, "torch": torch.__version__, "dtype": str(res.dtype),
                 "model": [mc.vocab_size, mc.hidden_size, mc.intermediate_size, mc.num_layers,
                           mc.num_heads, mc.num_kv_heads, mc.head_dim],

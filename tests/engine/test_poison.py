@@ -128,7 +128,12 @@ def _run(eng, poison: str | None, after: int = 0, greedy: bool = False):
 
 
 def _check(outs, ref, bad, after):
-    assert outs == ref
+    # the same tokens; logprobs to fp32 rounding: the poisoned request was in the batch, and
+    # a BLAS may sum a row in another order for another row count (OpenBLAS on one of this
+    # project's machines did, for a 39-row prefill against 35)
+    assert [t for t, _ in outs] == [t for t, _ in ref]
+    for (_, got), (_, want) in zip(outs, ref):
+        assert got == pytest.approx(want, abs=1e-5)
     assert bad.finish_reason == "error" and isinstance(bad.error, RequestFailed)
     assert f"request {bad.rid}: the sampling distribution is not finite" in str(bad.error)
     assert bad.to_output().finish_reason == "error"

@@ -7,18 +7,21 @@ import torch
 from eaglekv.model import cpu_blas
 from eaglekv.model.llama import linear
 
-MODES = [m for m in cpu_blas.MODES if m != "onednn" or cpu_blas.onednn_available()]
+MODES = [m for m in cpu_blas.MODES
+         if m not in ("onednn", "onednn1") or cpu_blas.onednn_available()]
 
 
 @pytest.fixture
 def blas_mode():
     old = cpu_blas.set_mode("numpy")
     cpu_blas.set_mode(old)
+    threads = torch.get_num_threads()
 
     def use(name):
         cpu_blas.set_mode(name)
     yield use
     cpu_blas.set_mode(old)
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -34,7 +37,7 @@ def test_each_library_equals_the_reference_matmul(blas_mode, mode, rows, k, n, b
     want = x.double() @ w_t.double() + (0 if b is None else b.double())
     cpu_blas.prepack([w_t])                   # onednn: reordered now, not at its 16th call
     got = linear(x, w_t, b)
-    assert hasattr(w_t, "_eaglekv_packed") == (mode == "onednn")
+    assert hasattr(w_t, "_eaglekv_packed") == (mode in ("onednn", "onednn1"))
     assert got.shape == (rows, n) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
@@ -98,7 +101,7 @@ def test_a_speculative_cpu_engine_prepacks_its_target_and_draft_weights(tiny_dir
     built (so its first verify costs what the later ones do), and generation is unchanged."""
     from eaglekv.model.llama import linear_weights
     from helpers import spec, tiny_engine
-    if cpu_blas.mode() != "onednn":
+    if not cpu_blas.packs():
         pytest.skip("oneDNN is not the library in use")
     e = tiny_engine(tiny_dir, speculative=spec("eagle", 3, 1, 4))
     weights = linear_weights(e.model) + linear_weights(e.runner.drafter.model)
@@ -115,6 +118,51 @@ def test_a_weight_under_autograd_gets_its_gradient(blas_mode, mode):
     linear(x, w_t).sum().backward()
     torch.testing.assert_close(w_t.grad, x.sum(0)[:, None].expand(16, 8), rtol=1e-5, atol=1e-5)
     assert not hasattr(w_t, "_eaglekv_packed")
+
+
+@pytest.mark.skipif(not cpu_blas.onednn_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("mode,sleeps,wide", [("onednn", True, 2), ("onednn", False, 1),
+                                              ("onednn1", True, 1)])
+def test_onednn_calls_take_every_core_only_where_openblas_sleeps(blas_mode, monkeypatch,
+                                                                 mode, sleeps, wide):
+    """Each 2-16-row call runs on all of torch's threads and puts the count back (every
+    other op, and one row on OpenBLAS, keep the caller's one thread); where OpenBLAS's
+    threads spin after a call (numpy loaded before eaglekv set OPENBLAS_THREAD_TIMEOUT), and
+    in `onednn1`, one thread throughout."""
+    blas_mode(mode)
+    monkeypatch.setattr(cpu_blas, "openblas_sleeps", lambda: sleeps)
+    monkeypatch.setattr(cpu_blas, "_ALL_THREADS", 2)
+    w_t = torch.randn(32, 48)
+    cpu_blas.prepack([w_t])
+    torch.set_num_threads(1)
+    seen, real = [], torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n)))
+    for rows in (4, 1, 16, 17, 2):
+        seen.clear()
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(linear(x, w_t), x @ w_t, rtol=1e-5, atol=1e-5)
+        dnn = 2 <= rows <= 16
+        assert seen == ([2, 1] if dnn and wide == 2 else []), rows
+        assert torch.get_num_threads() == 1
+    assert cpu_blas.describe() == f"{mode} {wide}t"
+
+
+@pytest.mark.parametrize("first,env,want_value,want_sleeps", [
+    ("", {}, "4", True),                        # eaglekv before numpy: set, applies
+    ("import numpy; ", {}, None, False),        # numpy first: OpenBLAS spins, one thread
+    ("", {"OPENBLAS_THREAD_TIMEOUT": "28"}, "28", False),     # the user's value is kept
+    ("import numpy; ", {"OPENBLAS_THREAD_TIMEOUT": "4"}, "4", True)])
+def test_import_eaglekv_makes_openblas_threads_sleep_unless_numpy_came_first(
+        first, env, want_value, want_sleeps):
+    import os
+    import subprocess
+    import sys
+    code = (first + "import os, eaglekv; from eaglekv.model import cpu_blas; "
+            "print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'), cpu_blas.openblas_sleeps())")
+    base = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, check=True,
+                         capture_output=True, text=True).stdout.split()
+    assert out == [str(want_value), str(want_sleeps)]
 
 
 def test_an_unknown_library_is_refused_by_name():
