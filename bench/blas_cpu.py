@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import eaglekv  # noqa: F401  (before numpy loads: OpenBLAS's threads sleep, eaglekv/__init__)
 import numpy as np
 import torch
 

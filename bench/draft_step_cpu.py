@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 
+import eaglekv  # noqa: F401  (before numpy loads: OpenBLAS's threads sleep, eaglekv/__init__)
 import torch
 
 from eaglekv import Engine, EngineConfig, SamplingParams

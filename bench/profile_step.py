@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 
+import eaglekv  # noqa: F401  (before numpy loads: OpenBLAS's threads sleep, eaglekv/__init__)
 import torch
 from torch.profiler import ProfilerActivity, profile
 
