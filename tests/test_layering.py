@@ -11,7 +11,7 @@ import eaglekv
 
 ROOT = pathlib.Path(eaglekv.__file__).parent
 # lowest first; a package may import its own layer (inside itself) and any lower one
-LAYERS = [{"errors", "version"}, {"config", "core"}, {"kernels", "memory", "model"},
+LAYERS = [{"errors", "version", "blas_env"}, {"config", "core"}, {"kernels", "memory", "model"},
           {"attention", "sampling"}, {"runner", "cuda_graph"}, {"speculative"}, {"engine", "training", "testing"},
           {"server"}, {"bench"}, {"cli"}, {"eaglekv"}]
 LEVEL = {name: i for i, layer in enumerate(LAYERS) for name in layer}

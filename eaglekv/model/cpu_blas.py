@@ -56,6 +56,8 @@ import os
 import numpy as np
 import torch
 
+from eaglekv.blas_env import timeout_is_short
+
 MODES = ("onednn", "onednn1", "numpy", "torch")
 PACK_HINT = 8          # the batch size oneDNN's layout is chosen for (1 picks a layout that
 #                        ran a forward 4x slower at every M here)
@@ -107,9 +109,7 @@ def openblas_sleeps() -> bool:
     at most 2**10 cycles, in the environment before numpy loaded OpenBLAS: see eaglekv's
     `__init__`), so that torch's OpenMP threads can have the cores between its calls.
     Read once: OpenBLAS read it once."""
-    import eaglekv
-    value = os.environ.get("OPENBLAS_THREAD_TIMEOUT", "")
-    return eaglekv.OPENBLAS_TIMEOUT_APPLIES and value.isdigit() and int(value) <= 10
+    return timeout_is_short()
 
 
 def onednn_threads() -> int:
