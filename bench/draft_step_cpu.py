@@ -60,12 +60,15 @@ def main() -> None:
     draft_steps.clear()
     spec.generate([ids], sp)
     t, d = statistics.median(target_steps), statistics.median(draft_steps)
-    cfg = spec.runner.drafter.model.cfg
+    draft = spec.runner.drafter.model
+    cfg = draft.cfg
+    ids = getattr(draft, "vocab_ids", None)        # EAGLE-1/2 with draft_vocab.json
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
            "torch": torch.__version__, "command": "python " + " ".join(sys.argv),
            "draft": a.draft, "algorithm": a.spec,
-           "draft_vocab": getattr(cfg, "draft_vocab_size", cfg.vocab_size),
+           "draft_vocab": (len(ids) if ids is not None
+                           else getattr(cfg, "draft_vocab_size", cfg.vocab_size)),
            "target_decode_step_ms": round(t * 1e3, 3), "draft_step_ms": round(d * 1e3, 3),
            "ratio": round(d / t, 4), "target_steps": len(target_steps),
            "draft_steps": len(draft_steps)}
