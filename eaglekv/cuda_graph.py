@@ -22,6 +22,9 @@ slot, exactly as without graphs, and after any eager guarded call of the same st
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 
@@ -78,7 +81,7 @@ class CapturedForwards:
             from tqdm import tqdm
             order = tqdm(order, desc=f"capturing CUDA graphs ({self.name})", unit="graph")
         guard = kv_guard(self.device)
-        with torch.inference_mode(), guard.step():
+        with no_gc(), torch.inference_mode(), guard.step():
             for b in order:
                 self.graphs[b] = self._capture(b, guard)
         guard.raise_if_error()    # the warm-ups wrote only the padding page
@@ -113,6 +116,25 @@ class CapturedForwards:
         kv_guard(self.device).replaying(calls)
         graph.replay()
         return out
+
+
+@contextmanager
+def no_gc():
+    """No garbage collection while graphs are captured. torch.cuda.graph no longer collects
+    before a capture (torch.compiler.config.force_cudagraph_gc is off), so a collection
+    triggered by the capture's own Python allocations could free a dead engine's graphs
+    inside ours: CUDAGraph.reset is not permitted while a stream captures, and the capture
+    fails with "operation failed due to a previous error during capture" (seen on the H200
+    when one test's engine died in a cycle before the next captured). So: collect once,
+    then hold the collector off until the captures end (vLLM freezes it for the same reason)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class DecodeGraphs(CapturedForwards):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eaglekv import KVIndexError, SamplingParams
-from eaglekv.cuda_graph import batch_buckets
+from eaglekv.cuda_graph import batch_buckets, no_gc
 from helpers import tiny_engine
 
 SP = SamplingParams(max_new_tokens=16, ignore_eos=True)
@@ -21,6 +21,39 @@ def test_buckets_cover_every_batch():
     b = batch_buckets(300)
     assert b[:7] == (1, 2, 4, 8, 16, 32, 64) and b[-3:] == (192, 256, 300)
     assert all(any(x >= n for x in b) for n in range(1, 301))
+
+
+class _Dies:
+    def __init__(self, log):
+        self.log, self.me = log, self          # a cycle: only the collector frees it
+
+    def __del__(self):
+        self.log.append("freed")
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["gc-on", "gc-off"])
+def test_captures_run_with_the_collector_held_off(enabled):
+    """A dead engine's graphs freed by a collection inside a capture invalidate it (H200,
+    2026-12-05): cycles die before the captures, none during, and the collector's state
+    comes back as it was."""
+    import gc
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        log = []
+        _Dies(log)
+        with no_gc():
+            assert log == ["freed"]             # collected on the way in
+            assert not gc.isenabled()
+            _Dies(log)
+            for _ in range(20000):              # enough allocations to trigger a generation 0
+                [[]]
+            assert log == ["freed"]             # nothing collected inside
+        assert gc.isenabled() == enabled
+        gc.collect()
+        assert log == ["freed", "freed"]
+    finally:
+        (gc.enable if was else gc.disable)()
 
 
 @pytest.mark.gpu

@@ -90,3 +90,30 @@ def test_gpu_families_greedy_equal_plain(deep_dir, alg, S, K, N, ps, graphs):
     _check_graphs(eng, graphs)
     eng.check_memory()
     assert eng.allocator.is_full()
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("shape", [(3, 1, 4), (3, 2, 6)], ids=["chain", "tree"])
+def test_gpu_reduced_vocabulary_head_stays_lossless(tmp_path, tiny_dir, shape, graphs):
+    """An EAGLE-1 head with draft_vocab.json (the shipped head's layout) on CUDA: the draft
+    proposes only the listed ids, inside the step graphs and eagerly, and greedy speculation
+    equals plain greedy token for token."""
+    import json
+    from eaglekv.model.draft_checkpoint import random_eagle_draft, save_eagle_draft
+    from eaglekv.model.draft_io import DRAFT_VOCAB_FILE
+    from helpers import spec as spec_of
+    plain = tiny_engine(tiny_dir, device="cuda")
+    cfg_dict, sd = random_eagle_draft(plain.model_config, seed=5, std=0.1)
+    save_eagle_draft(tmp_path, cfg_dict, sd)
+    ids = list(range(0, 200, 5))
+    (tmp_path / DRAFT_VOCAB_FILE).write_text(json.dumps({"target_ids": ids}))
+    eng = tiny_engine(tiny_dir, device="cuda", max_running_requests=4,
+                      speculative=spec_of("eagle", *shape, draft=str(tmp_path)),
+                      disable_cuda_graph=not graphs)
+    assert eng.runner.drafter.model.lm_head_t.shape[1] == len(ids)
+    sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    assert ([o.token_ids for o in eng.generate(PROMPTS, sp)]
+            == [o.token_ids for o in plain.generate(PROMPTS, sp)])
+    _check_graphs(eng, graphs)
+    eng.check_memory()
+    assert eng.allocator.is_full()
