@@ -64,7 +64,7 @@ def one(batch: int, adaptive: bool, steps: int, tiny: Path) -> float:
     return 1e3 * (time.perf_counter() - t) / steps
 
 
-def child(root: str, steps: int) -> None:
+def child(root: str, steps: int, batches: str) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     sys.path[:0] = [root, os.path.join(root, "bench"), os.path.join(root, "tests")]
     import torch
@@ -72,7 +72,7 @@ def child(root: str, steps: int) -> None:
     torch.set_num_threads(1)
     tiny = Path(tempfile.mkdtemp())
     make_tiny(tiny)
-    for b in (1, 64):
+    for b in (int(x) for x in batches.split(",")):
         for a in (False, True):
             print("R", f"b{b}_{'adaptive' if a else 'fixed'}", f"{one(b, a, steps, tiny):.4f}",
                   flush=True)
@@ -84,18 +84,19 @@ def main() -> None:
     ap.add_argument("--after", default=str(Path(__file__).resolve().parents[1]))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batches", default="1,64")
     ap.add_argument("--out")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        child(a.child, a.steps)
+        child(a.child, a.steps, a.batches)
         return
     trees = {"before": str(Path(a.before).resolve()), "after": str(Path(a.after).resolve())}
     runs: dict[str, dict[str, list[float]]] = {k: {} for k in trees}
     for _ in range(a.rounds):
         for name, root in trees.items():
             out = subprocess.run([sys.executable, __file__, "--before", "-", "--child", root,
-                                  "--steps", str(a.steps)], capture_output=True, text=True,
+                                  "--steps", str(a.steps), "--batches", a.batches], capture_output=True, text=True,
                                  cwd=root, check=True).stdout
             for line in out.splitlines():
                 if line.startswith("R "):

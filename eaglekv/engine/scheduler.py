@@ -217,8 +217,11 @@ class Scheduler:
         free pages cover the sum of their peaks, so no allocation inside the step can fail.
         -> whether it preempted any."""
         preempted = False
-        while len(self.running) > 1 and (sum(self.runner.step_pages(r.kv_len)
-                                             for r in self.running)
+        uniform = getattr(self.runner, "uniform_step_pages", None)
+        each = uniform() if uniform is not None else None   # the same for every length
+        while len(self.running) > 1 and ((each * len(self.running) if each is not None else
+                                          sum(self.runner.step_pages(r.kv_len)
+                                              for r in self.running))
                                          > self.allocator.free_pages):
             self.preempt(self.running[-1])
             preempted = True

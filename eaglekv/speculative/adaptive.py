@@ -62,6 +62,16 @@ FREE_TRIES = 1           # a request's first speculative step is not held to the
 EXPLORE_ALLOWANCE = 1.0  # plain tokens' worth each new request adds to it
 
 
+def _block(rows: np.ndarray):
+    """Index the per-row arrays by `rows`: a slice when they are consecutive and ascending (a
+    batch's rows usually are), so reads are views and writes in place; else the rows."""
+    n = len(rows)
+    lo = int(rows[0])
+    if int(rows[-1]) - lo == n - 1 and (n < 3 or bool((np.diff(rows) == 1).all())):
+        return slice(lo, lo + n)
+    return rows
+
+
 @dataclass(frozen=True)
 class Shape:
     S: int
@@ -583,28 +593,32 @@ class AdaptivePolicy:
         rows = self._rows([reqs[i] for i in keep])
         a = np.array([accepted[i] for i in keep], dtype=np.float64)           # (m,)
         S, m = shape.S, len(keep)
-        again = rows[self.on[rows]]            # speculating two steps in a row: the
-        self.probes[again] = np.maximum(0, self.probes[again] - 1)   # backoff shrinks
-        self.on[rows] = True
-        est = np.minimum.accumulate(self.rates[rows, :S], axis=1).sum(1)       # (m,)
+        at = _block(rows)           # a slice where the rows are consecutive: views, no gathers
+        on = self.on[at]
+        probes = self.probes[at]    # speculating two steps in a row: the backoff shrinks
+        self.probes[at] = np.where(on, np.maximum(0, probes - 1), probes)
+        self.on[at] = True
+        R, slow, nobs = self.rates[at], self.slow[at], self.nobs[at]          # (m, D) each
+        est = np.minimum.accumulate(R[:, :S], axis=1).sum(1)                  # (m,)
         if a.sum() < 0.5 * est.sum() or m < len(accepted):
             self._spec_left = 0        # a poor (or failed) step: choose again next step
-        ok = est > 0.05
         w = min(m, self.step_weight)           # a step's requests: at most step_weight
-        if shape.K > 1 and ok.any():           # observations; w sequential EMA steps, in one
-            ratio = float(np.minimum(a[ok] / est[ok], 4.0).mean())
-            self.corr[shape] += (1 - 0.98 ** min(int(ok.sum()), w)) * (ratio - self.corr[shape])
+        if shape.K > 1:                        # observations; w sequential EMA steps, in one
+            ok = est > 0.05
+            if ok.any():
+                ratio = float(np.minimum(a[ok] / est[ok], 4.0).mean())
+                self.corr[shape] += (1 - 0.98 ** min(int(ok.sum()), w)) * (ratio - self.corr[shape])
         x = (a[:, None] >= np.arange(1, S + 1)[None, :]).astype(np.float64)   # (m, S)
-        last = self.rates[rows, S - 1].copy()
-        self.rates[rows, :S] += self.alpha * (x - self.rates[rows, :S])
+        last = R[:, S - 1].copy()
+        R[:, :S] += self.alpha * (x - R[:, :S])
         if S < self.depth:   # the positions this shape does not reach follow its last one,
-            self.nobs[rows, S:] *= 1 - self.forget    # and what they showed ages
-            r = self.rates[rows]
-            scale = np.where(last > 0.05, r[:, S - 1] / np.maximum(last, 0.05), 1.0)
-            r[:, S:] = np.minimum(r[:, S:] * scale[:, None], r[:, S - 1:S])
-            self.rates[rows] = r
-        self.slow[rows, :S] += self.alpha_slow * (x - self.slow[rows, :S])
-        self.nobs[rows, :S] += 1
+            nobs[:, S:] *= 1 - self.forget    # and what they showed ages
+            scale = np.where(last > 0.05, R[:, S - 1] / np.maximum(last, 0.05), 1.0)
+            R[:, S:] = np.minimum(R[:, S:] * scale[:, None], R[:, S - 1:S])
+        slow[:, :S] += self.alpha_slow * (x - slow[:, :S])
+        nobs[:, :S] += 1
+        if not isinstance(at, slice):          # gathered copies: write them back
+            self.rates[at], self.slow[at], self.nobs[at] = R, slow, nobs
         mean = x.mean(0)
         self.engine_rates[:S] += (1 - (1 - self.alpha_engine) ** w) * (mean - self.engine_rates[:S])
         self.prior[:S] += (1 - (1 - self.alpha_prior) ** w) * (mean - self.prior[:S])

@@ -143,6 +143,11 @@ class AdaptiveWorker:
             return self._flat_pages()
         return max(w.window_pages(kv_len) for w in self.workers.values())
 
+    def uniform_step_pages(self) -> int | None:
+        """step_pages when it does not depend on the length (one slot a page), else None: the
+        scheduler's reserve check then costs one call a step, not one a request."""
+        return self._flat_pages() if self.res.page_size == 1 else None
+
     def _flat_pages(self) -> int:
         """With one slot a page a step's peak does not depend on the length: each shape's,
         kept until a shape's slots change how they hold the draft and verify slots."""
@@ -176,11 +181,13 @@ class AdaptiveWorker:
             self.policy.observe_plain(reqs, k)
             res.draft_tokens = [0] * B
             return res
+        self._pending = []
+        if not choice.plain:           # the whole batch speculates: the worker's result as is
+            return self._speculate(reqs, choice.shape)
         out = StepResult(tokens=[None] * B, logprobs=[None] * B, failed=[False] * B,
                          kv_advance=[0] * B, last_slots=[-1] * B, accepted=[None] * B,
                          draft_tokens=[0] * B)
         free = []
-        self._pending = []
         for part, idx in (("plain", choice.plain), ("spec", choice.spec)):
             if not idx:
                 continue
@@ -193,16 +200,7 @@ class AdaptiveWorker:
                 self._pending.append((PLAIN, len(sub), dt, 1))
                 self.policy.observe_plain(sub)
             else:
-                t = time.perf_counter()
-                lag = self._catch_up(sub)
-                if lag:         # (requests, tokens each): charged to the plain steps behind it
-                    self._pending.append((CATCHUP, lag[0], time.perf_counter() - t, lag[1]))
-                t = time.perf_counter()
-                res = self.workers[choice.shape].decode(sub)
-                self._pending.append((choice.shape.label, len(sub), time.perf_counter() - t, 1))
-                self.policy.observe_spec(sub, choice.shape,
-                                         [None if f else a
-                                          for f, a in zip(res.failed, res.accepted)])
+                res = self._speculate(sub, choice.shape)
             for j, i in enumerate(idx):
                 out.tokens[i], out.logprobs[i], out.failed[i] = (res.tokens[j], res.logprobs[j],
                                                                  res.failed[j])
@@ -213,6 +211,20 @@ class AdaptiveWorker:
                 free.append(res.free_slots)
         out.free_slots = torch.cat(free) if free else None
         return out
+
+    def _speculate(self, sub, shape) -> StepResult:
+        """The speculative part of a step: the draft catches up on what `sub` decoded plainly,
+        then one step of `shape`'s worker; its parts timed and its acceptance observed."""
+        t = time.perf_counter()
+        lag = self._catch_up(sub)
+        if lag:         # (requests, tokens each): charged to the plain steps behind it
+            self._pending.append((CATCHUP, lag[0], time.perf_counter() - t, lag[1]))
+        t = time.perf_counter()
+        res = self.workers[shape].decode(sub)
+        self._pending.append((shape.label, len(sub), time.perf_counter() - t, 1))
+        self.policy.observe_spec(sub, shape, [None if f else a
+                                              for f, a in zip(res.failed, res.accepted)])
+        return res
 
     # ---- what a step cost ----------------------------------------------------------------------
     def step_done(self, seconds: float) -> None:

@@ -97,6 +97,10 @@ class EagleWorker:
         """Pages past a request's last token its last step may hold: a whole step's peak."""
         return self.slots.peak_pages(kv_len)
 
+    def uniform_step_pages(self) -> int | None:
+        """step_pages when it does not depend on the length (one slot a page), else None."""
+        return self.slots.peak_pages(0) if self.res.page_size == 1 else None
+
     @staticmethod
     def can_decode(req) -> bool:
         """Prefilled and sampled: the draft's root state exists."""

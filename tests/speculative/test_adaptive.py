@@ -285,6 +285,32 @@ def test_a_sure_choice_holds_for_a_few_steps_of_the_same_batch(B):
     assert fresh.choose([r]).shape == S3 and fresh._spec_left == 0
 
 
+def test_consecutive_and_scattered_rows_observe_the_same():
+    """observe_spec writes a batch in consecutive rows through slice views and any other
+    batch through its row indices: the same steps leave the same per-request state."""
+    S5 = Shape(5, 1, 6)
+    runs = []
+    for scattered in (False, True):
+        p = policy({PLAIN: 1.0, S3.label: 1.5, S5.label: 2.0}, shapes=[S3, S5])
+        reqs = [FakeReq() for _ in range(6)]
+        if scattered:
+            for r, row in zip(reqs, (9, 2, 7, 4, 11, 5)):
+                r.row = row
+        steps = np.random.default_rng(1)
+        for _ in range(12):
+            shape = S5 if steps.random() < 0.5 else S3
+            acc = [int(a) for a in steps.integers(0, shape.S + 1, len(reqs))]
+            p.observe_spec(reqs, shape, acc)
+            if steps.random() < 0.3:
+                p.observe_plain(reqs[::2])
+        runs.append([(p.state(r).rates.copy(), p.state(r).nobs.copy(), p.state(r).wait,
+                      p.state(r).probes) for r in reqs] + [p.engine_rates.copy()])
+    for one, other in zip(*runs):
+        for x, y in zip(one if isinstance(one, tuple) else (one,),
+                        other if isinstance(other, tuple) else (other,)):
+            np.testing.assert_array_equal(x, y)
+
+
 def test_batch_state_is_per_row_and_resets_for_a_new_request():
     p = policy({PLAIN: 1.0, S3.label: 1.5})
     a, b = FakeReq(), FakeReq()

@@ -159,6 +159,24 @@ def test_preemption_under_memory_pressure(tiny_dir, reference):
     assert eng.allocator.is_full()
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("ps", [1, 4])
+def test_uniform_step_pages_is_step_pages_at_every_length(tiny_dir, ps, adaptive):
+    """The scheduler's reserve check multiplies one request's step pages by the batch when
+    they do not depend on the length (one slot a page): that figure must be step_pages' at
+    every length; with larger pages there is none (the check sums per request)."""
+    sp = (dict(algorithm="eagle", draft_model="random", adaptive=True) if adaptive
+          else dict(algorithm="eagle", draft_model="random", num_steps=3, topk=2,
+                    num_draft_tokens=6))
+    eng = tiny_engine(tiny_dir, page_size=ps, speculative=sp)
+    each = eng.runner.uniform_step_pages()
+    if ps > 1:
+        assert each is None
+        return
+    assert each == max(eng.runner.step_pages(L) for L in range(0, 300, 7)) > 0
+    assert all(eng.runner.step_pages(L) == each for L in range(0, 300, 7))
+
+
 def test_int32_budget_checked_at_startup(tiny_dir):
     """max_running_requests x topk x max context >= 2**31 fails before serving, with numbers."""
     from eaglekv.errors import ConfigError
