@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import statistics
+import sys
 
 from contextlib import nullcontext
 
@@ -60,10 +62,18 @@ def runner(kind: str, B: int):
 
 
 def graph_of(fn, variant: str):
-    level = int(variant.rstrip("p"))
+    """variant: the check level (0 unchecked), "p" for the pipelined loop, then optionally
+    "@rR" / "@nN" for a short extend's tile (at least R rows of queries x heads, keys in
+    tiles of N: at.SHORT_MIN_ROWS / SHORT_BLOCK_N), e.g. "1@r16n32"."""
+    base, _, tile = variant.partition("@")
+    level = int(base.rstrip("p"))
     at.CHECK_LEVEL = max(level, 1)
-    at.DECODE_STAGES = at.DEFAULT_STAGES if variant.endswith("p") else 1
-    at.SHORT_EXTEND = 0 if variant.endswith("p") else 64
+    at.DECODE_STAGES = at.DEFAULT_STAGES if base.endswith("p") else 1
+    at.SHORT_EXTEND = 0 if base.endswith("p") else 64
+    rows = re.search(r"r(\d+)", tile)
+    cols = re.search(r"n(\d+)", tile)
+    at.SHORT_MIN_ROWS = int(rows.group(1)) if rows else None
+    at.SHORT_BLOCK_N = int(cols.group(1)) if cols else 64
     # every variant defers its checks to a step's sync (none happens inside the capture); the
     # unchecked one also compiles the kernels without them
     with guard.kv_guard("cuda").step(), (guard.unchecked() if level == 0 else nullcontext()):
@@ -91,13 +101,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--variants", default="0,1,2,3,0p,1p,2p")
+    ap.add_argument("--kinds", default="extend,decode")
+    ap.add_argument("--n", type=int, default=N, help="queries a request in an extend (verify)")
     args = ap.parse_args()
     variants = args.variants.split(",")
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(), "command":
-           "python bench/attention_checks.py " + (f"--out {args.out}" if args.out else ""),
+           "python bench/attention_checks.py " + " ".join(sys.argv[1:]),
            "us_per_launch": {}}
-    for kind in ("extend", "decode"):
+    global N
+    N = args.n
+    for kind in args.kinds.split(","):
         for B in (1, 64):
             graphs = {v: graph_of(runner(kind, B), v) for v in variants}
             times = {v: [] for v in variants}

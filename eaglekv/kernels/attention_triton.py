@@ -53,6 +53,13 @@ if CHECK_LEVEL not in (1, 2):     # 3 does not record: set only by bench/attenti
 DECODE_STAGES = 1
 SHORT_EXTEND = 64
 DEFAULT_STAGES = 3
+# The tile of a short extend (exploring, bench/attention_checks.py): a program holds at least
+# SHORT_MIN_ROWS rows of queries x heads (None: at least 16 queries, whatever the group) and
+# keys in tiles of SHORT_BLOCK_N. Compiled for sm_90, SmolLM2's verify tile (16 queries x 4
+# heads against 64 keys) uses 255 registers and spills 36 bytes unchecked and 224 checked;
+# 8 x 4 against 32 keys uses 168-212 and spills none.
+SHORT_MIN_ROWS: int | None = None
+SHORT_BLOCK_N = 64
 
 
 @triton.jit
@@ -377,6 +384,20 @@ def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scal
     return out
 
 
+def extend_tile(max_extend: int, GP: int, DP: int) -> tuple[int, int, bool]:
+    """(BLOCK_M, BLOCK_N, short) of an extend: rows = BLOCK_M * GP queries x heads per
+    program, ~64-128 (at least 16 queries; a short extend: at least SHORT_MIN_ROWS rows where
+    set, tl.dot's 16 at the least), keys in tiles of 64 (32 past 64 dims; a short extend's at
+    most SHORT_BLOCK_N)."""
+    short = max_extend <= SHORT_EXTEND
+    least = 16 if not short or SHORT_MIN_ROWS is None else -(-max(16, SHORT_MIN_ROWS) // GP)
+    block_m = max(least, min(triton.next_power_of_2(max_extend), 128 // GP))
+    block_n = 64 if DP <= 64 else 32
+    if short:
+        block_n = min(block_n, SHORT_BLOCK_N)
+    return block_m, block_n, short
+
+
 def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, extend_len,
                             q_start, scale: float, size_limit: int, mask, max_extend: int,
                             layer, out):
@@ -387,9 +408,7 @@ def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, 
         return out
     G = H // hkv
     GP, DP = triton.next_power_of_2(G), max(16, triton.next_power_of_2(D))
-    # rows = BLOCK_M * GP queries x heads per program, ~64-128 (at least 16 queries)
-    block_m = max(16, min(triton.next_power_of_2(max_extend), 128 // GP))
-    block_n = 64 if DP <= 64 else 32
+    block_m, block_n, short = extend_tile(max_extend, GP, DP)
     custom = mask is not None
     mk = mask.view(torch.uint8) if custom else table                   # bool read as bytes
     ms = mk.stride() if custom else (0, 0, 0)
@@ -402,6 +421,6 @@ def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, 
         G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m, BLOCK_N=block_n, CUSTOM=custom,
         F32DOT=_f32_dot(q.dtype), CHECK=CHECK_LEVEL if checks_enabled() else 0,
         num_warps=8 if block_m * GP >= 128 else 4,
-        num_stages=1 if max_extend <= SHORT_EXTEND else DEFAULT_STAGES)
+        num_stages=1 if short else DEFAULT_STAGES)
     guard.after_launch()
     return out

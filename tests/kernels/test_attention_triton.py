@@ -308,6 +308,25 @@ def test_extend_bad_slot(which, mask):
             extend_attention(q, kb, vb, table, *args, 0.125, size_limit=rows, mask=m)
 
 
+@pytest.mark.parametrize("tile", [(16, 32), (32, 64), (16, 64)], ids=lambda t: f"r{t[0]}n{t[1]}")
+def test_short_extend_tiles_match_reference(tile, monkeypatch):
+    """A short extend's tile (SHORT_MIN_ROWS rows of queries x heads, SHORT_BLOCK_N keys a
+    tile: smaller tiles keep the verify kernel's registers from spilling): the same results,
+    tree masks, several query blocks, untouched rows and bad slots as the default tile."""
+    from eaglekv.kernels import attention_triton as at
+    monkeypatch.setattr(at, "SHORT_MIN_ROWS", tile[0])
+    monkeypatch.setattr(at, "SHORT_BLOCK_N", tile[1])
+    rows, keys = tile
+    assert at.extend_tile(6, 4, 64) == (max(-(-rows // 4), 8), keys, True)   # SmolLM2's S5 verify
+    assert at.extend_tile(45, 4, 64) == (32, keys, True)
+    assert at.extend_tile(100, 4, 64)[:2] == (32, 64)                        # not short
+    assert at.extend_tile(4, 1, 64) == (max(rows, 4), keys, True)            # no grouping
+    test_tree_mask_and_untouched_rows()
+    test_extend_several_query_blocks((9, 3, 64))
+    test_extend_matches_reference((9, 3, 64), torch.bfloat16)
+    test_extend_bad_slot("limit", True)
+
+
 def _args(**over):
     """A valid small decode call, with some arguments replaced."""
     a = dict(q=torch.zeros(2, 9, 64), k_buffer=torch.zeros(8, 3, 64),
