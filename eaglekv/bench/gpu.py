@@ -50,6 +50,7 @@ MODES = {"plain": None,
          "eagle3_tree_S7K4N24": dict(algorithm="eagle3", num_steps=7, topk=4,
                                      num_draft_tokens=24),
          "adaptive": dict(adaptive=True),
+         "adaptive_eagle3": dict(algorithm="eagle3", adaptive=True),   # the EAGLE-3 head
          # built and run with every index check off (guard.unchecked): what the checks cost
          "plain_unchecked": None,
          "eagle_chain_S5K1N6_unchecked": dict(num_steps=5, topk=1, num_draft_tokens=6)}
@@ -537,17 +538,19 @@ def compare(result: dict) -> None:
             and (split_mode(mode)[1] or "") == lib})
         fixed = [m for m in modes if m.startswith("eagle") and (split_mode(m)[1] or "") == lib
                  and not split_mode(m)[0].endswith("_unchecked")]
-        if "adaptive" + at in modes:    # issue 15: vs plain and vs the best fixed shape
-            ad = modes["adaptive" + at]["rows"]
+        for name in ("adaptive", "adaptive_eagle3"):   # issue 15: vs plain and the best fixed
+            if name + at not in modes:
+                continue
+            ad = modes[name + at]["rows"]
             vs = {B: {"plain": ad[B]["tokens_per_s"] / plain[B]["tokens_per_s"],
                       "best_fixed": ad[B]["tokens_per_s"] / max(
-                          [modes[f]["rows"][B]["tokens_per_s"] for f in fixed]
-                          + [plain[B]["tokens_per_s"]])}
-                  for B in ad}
+                          [modes[f]["rows"][B]["tokens_per_s"] for f in fixed if B in
+                           modes[f]["rows"]] + [plain[B]["tokens_per_s"]])}
+                  for B in ad if B in plain}
             if at:
-                result.setdefault("adaptive_vs", {})[at] = vs
+                result.setdefault(f"{name}_vs", {})[at] = vs
             else:
-                result["adaptive_vs"] = vs
+                result[f"{name}_vs"] = vs
     by_name: dict[str, dict[str, dict]] = {}
     for m in modes:
         name, lib = split_mode(m)

@@ -149,6 +149,13 @@ def test_modes_with_a_cpu_library_compare_within_their_library():
     assert result["adaptive_vs"]["@onednn"] == {1: {"plain": 1.9, "best_fixed": 0.95},
                                                4: {"plain": 1.425, "best_fixed": 0.95}}
     assert result["cpu_blas_vs"]["plain: onednn / numpy"] == {1: 1.0, 4: 2.0}
+    # adaptive with the EAGLE-3 head, against the same fixed shapes (here plain wins at 4)
+    result = {"modes": {"plain": row(10, 40), "eagle3_chain_S5K1N6": row(20, 30),
+                        "adaptive_eagle3": row(18, 38)}}
+    compare(result)
+    assert result["adaptive_eagle3_vs"] == {1: {"plain": 1.8, "best_fixed": 0.9},
+                                            4: {"plain": 0.95, "best_fixed": 0.95}}
+    assert "adaptive_vs" not in result
     before = cpu_blas.mode()
     with mode_checks("plain@torch"):
         assert cpu_blas.mode() == "torch"
