@@ -5,6 +5,10 @@
 #   bench/gpu_tree.sh slim      # move them under .carry/slimmed/ (git-ignored); print the size
 #   bench/gpu_tree.sh restore   # move them back; fails loudly if anything is missing
 #   bench/gpu_tree.sh size      # what a call would send (tree without .git, .venv, .carry)
+#   bench/gpu_tree.sh pylib     # .carry/pylib: gguf and yaml for the GPU machine's python, with
+#                               # their dist-info (transformers reads gguf's version from it:
+#                               # without it, loading a GGUF fails with "Invalid version: 'N/A'");
+#                               # and .carry/graph_floor.py (../shared/tools)
 # While slimmed, `git status` shows them deleted: restore before committing. The shipped heads
 # then travel in a later call (e.g. with .carry/pylib only) or are not needed (a head trained
 # on the machine, /root/head3).
@@ -47,7 +51,15 @@ case "${1:-size}" in
   size)
     echo "$(size) MiB"
     ;;
+  pylib)
+    site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    rm -rf .carry/pylib && mkdir -p .carry/pylib
+    for pkg in gguf yaml; do cp -r "$site/$pkg" .carry/pylib/; done
+    cp -r "$site"/gguf-*.dist-info "$site"/[Pp]y[Yy][Aa][Mm][Ll]-*.dist-info .carry/pylib/
+    [ -f ../shared/tools/graph_floor.py ] && cp ../shared/tools/graph_floor.py .carry/
+    echo "pylib: $(du -sm .carry/pylib | cut -f1) MiB ($(ls .carry/pylib | tr '\n' ' '))"
+    ;;
   *)
-    echo "usage: bench/gpu_tree.sh slim|restore|size" >&2; exit 2
+    echo "usage: bench/gpu_tree.sh slim|restore|size|pylib" >&2; exit 2
     ;;
 esac
