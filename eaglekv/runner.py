@@ -62,6 +62,10 @@ class ModelRunner:
         """Pages past a request's last token that its last step may hold: none."""
         return 0
 
+    def uniform_step_pages(self) -> int:
+        """step_pages for every length (the scheduler's reserve check: one call a step)."""
+        return 1
+
     def run(self, plan: StepPlan) -> StepResult:
         with guarded(self.res.device):
             if self.graphs is not None and self.graph_fits(plan):

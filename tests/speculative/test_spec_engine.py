@@ -168,6 +168,8 @@ def test_uniform_step_pages_is_step_pages_at_every_length(tiny_dir, ps, adaptive
     sp = (dict(algorithm="eagle", draft_model="random", adaptive=True) if adaptive
           else dict(algorithm="eagle", draft_model="random", num_steps=3, topk=2,
                     num_draft_tokens=6))
+    plain = tiny_engine(tiny_dir, page_size=ps).runner      # one token a step: any page size
+    assert all(plain.step_pages(L) == plain.uniform_step_pages() for L in range(0, 300, 7))
     eng = tiny_engine(tiny_dir, page_size=ps, speculative=sp)
     each = eng.runner.uniform_step_pages()
     if ps > 1:
