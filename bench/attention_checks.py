@@ -6,7 +6,9 @@ unpipelined (as shipped) and with Triton's default software pipelining ("p", 3 s
 S5 verify's extend (6 queries over a 300-key prefix) and a decode (300 keys) of SmolLM2's
 shape (9 query heads, 3 kv heads, 64 dims, bf16) at batch 1 and 64: 30 launches captured in
 one CUDA graph (as a step replays them), the graph timed with CUDA events, median of 30,
-variants alternating. Writes JSON to --out.
+variants alternating. Variant "g" is the shipped way since the once-a-forward check: one
+`table_guard.guard_table_rows` launch, then the 30 layers' kernels unchecked over its copy
+(its figure is the graph's time / 30, the check's launch included). Writes JSON to --out.
 
     python bench/attention_checks.py --out bench/results/attention_checks_h200.json
 """
@@ -27,6 +29,7 @@ import torch
 from eaglekv.kernels import attention_triton as at
 from eaglekv.kernels import guard
 from eaglekv.kernels.attention import decode_attention, default_num_splits, extend_attention
+from eaglekv.kernels.table_guard import guard_table_rows
 
 H, HKV, D, PREFIX, N, LAYERS = 9, 3, 64, 300, 6, 30
 
@@ -42,8 +45,12 @@ def case(B: int):
     return kb, vb, table, start, slots
 
 
-def runner(kind: str, B: int):
+def runner(kind: str, B: int, once: bool = False):
+    """(prologue, layer): what a forward runs once, and what each of its layers runs. once:
+    the rows checked and copied by the prologue, the layers unchecked over the copy."""
     kb, vb, table, start, slots = case(B)
+    W = PREFIX + N
+    cur = {}
     if kind == "extend":
         q = torch.randn(B * N, H, D, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(q)
@@ -51,22 +58,37 @@ def runner(kind: str, B: int):
         ext = torch.full((B,), N, device="cuda")
         qs = torch.arange(B, device="cuda") * N
         mask = torch.ones(B, N, N, dtype=torch.bool, device="cuda").tril()
-        return lambda: extend_attention(q, kb, vb, table, start, pre, ext, qs, D ** -0.5,
-                                        size_limit=slots, mask=mask, max_extend=N, out=out)
+        cur.update(table=table, start=start, pre=pre, ext=ext)
+
+        def prologue():
+            g = guard_table_rows(table, start, pre, ext, W, slots, "extend_attention")
+            cur.update(table=g.rows, start=g.kv_start, pre=g.prefix_len, ext=g.extend_len)
+        return (prologue if once else None), lambda: extend_attention(
+            q, kb, vb, cur["table"], cur["start"], cur["pre"], cur["ext"], qs, D ** -0.5,
+            size_limit=slots, mask=mask, max_extend=N, out=out, checked=not once)
     q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     lens = torch.full((B,), PREFIX, device="cuda")
     splits = default_num_splits(B, HKV, PREFIX + N)
-    return lambda: decode_attention(q, kb, vb, table, start, lens, D ** -0.5,
-                                    size_limit=slots, num_splits=splits, out=out)
+    cur.update(table=table, start=start, lens=lens)
+
+    def prologue():
+        g = guard_table_rows(table, start, None, lens, W, slots, "decode_attention")
+        cur.update(table=g.rows, start=g.kv_start, lens=g.extend_len)
+    return (prologue if once else None), lambda: decode_attention(
+        q, kb, vb, cur["table"], cur["start"], cur["lens"], D ** -0.5, size_limit=slots,
+        num_splits=splits, out=out, checked=not once)
 
 
-def graph_of(fn, variant: str):
-    """variant: the check level (0 unchecked), "p" for the pipelined loop, then optionally
-    "@rR" / "@nN" for a short extend's tile (at least R rows of queries x heads, keys in
-    tiles of N: at.SHORT_MIN_ROWS / SHORT_BLOCK_N), e.g. "1@r16n32"."""
+def graph_of(kind: str, B: int, variant: str):
+    """variant: the check level (0 unchecked), "p" for the pipelined loop, or "g" (checked
+    once, then unchecked layers), then optionally "@rR" / "@nN" for a short extend's tile (at
+    least R rows of queries x heads, keys in tiles of N: at.SHORT_MIN_ROWS / SHORT_BLOCK_N),
+    e.g. "1@r16n32"."""
     base, _, tile = variant.partition("@")
-    level = int(base.rstrip("p"))
+    once = base == "g"
+    level = 1 if once else int(base.rstrip("p"))
+    prologue, fn = runner(kind, B, once)
     at.CHECK_LEVEL = max(level, 1)
     at.DECODE_STAGES = at.DEFAULT_STAGES if base.endswith("p") else 1
     at.SHORT_EXTEND = 0 if base.endswith("p") else 64
@@ -78,10 +100,14 @@ def graph_of(fn, variant: str):
     # unchecked one also compiles the kernels without them
     with guard.kv_guard("cuda").step(), (guard.unchecked() if level == 0 else nullcontext()):
         for _ in range(3):
+            if prologue:
+                prologue()
             fn()
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
+            if prologue:
+                prologue()
             for _ in range(LAYERS):
                 fn()
     guard.kv_guard("cuda").calls.clear()
@@ -100,7 +126,7 @@ def time_graph(g) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
-    ap.add_argument("--variants", default="0,1,2,3,0p,1p,2p")
+    ap.add_argument("--variants", default="0,1,g,2,3,0p,1p")
     ap.add_argument("--kinds", default="extend,decode")
     ap.add_argument("--n", type=int, default=N, help="queries a request in an extend (verify)")
     args = ap.parse_args()
@@ -113,7 +139,7 @@ def main() -> None:
     N = args.n
     for kind in args.kinds.split(","):
         for B in (1, 64):
-            graphs = {v: graph_of(runner(kind, B), v) for v in variants}
+            graphs = {v: graph_of(kind, B, v) for v in variants}
             times = {v: [] for v in variants}
             for _ in range(30):
                 for v in variants:

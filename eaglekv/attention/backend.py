@@ -20,11 +20,18 @@ from eaglekv.model.rope import RotaryEmbedding
 
 
 class AttentionBackend:
-    """Interface: `init_forward_metadata(batch)` and `rope_inputs` once per forward, then
-    `forward_qkv(...)` (or `forward(...)` with q and k already rotated) per layer."""
+    """Interface: `init_forward_metadata(batch)`, `begin_forward` and `rope_inputs` once per
+    forward, then `forward_qkv(...)` (or `forward(...)` with q and k already rotated) per
+    layer."""
 
     def init_forward_metadata(self, batch: ForwardBatch):
         raise NotImplementedError
+
+    def begin_forward(self, meta):
+        """Work done once per forward before the first layer, inside a captured graph too
+        (the Triton backend checks the slots every layer will read); returns the metadata the
+        layers use."""
+        return meta
 
     def rope_inputs(self, rope: RotaryEmbedding, positions: torch.Tensor):
         """What `forward_qkv` needs to rotate this forward's tokens: here (T, 1, D/2) complex

@@ -4,8 +4,10 @@ Per layer a forward is two kernels: RoPE on q and k fused with the guarded K/V s
 (`rope_store_qkv`), then attention read straight through the request -> token table
 (`decode_attention` when every request extends by one token, `extend_attention` with the
 causal or tree mask otherwise). Every slot the kernels read or write is checked against the
-pool's size_limit inside the kernel; a bad one is recorded in the device error buffer and
-raised at the step's sync (kernels/guard.py).
+pool's size_limit; a bad one is recorded in the device error buffer and raised at the step's
+sync (kernels/guard.py). The slots a target forward reads are checked once for all its layers
+(`begin_forward`, kernels/table_guard.py): the layers read the checked copy with the unchecked
+attention kernels. The draft's reads (its kv_indices, one layer) are checked in the kernels.
 
 Metadata holds device tensors only (its host ints are bounds fixed at construction), so a
 forward over it can be captured in a CUDA graph (cuda_graph.py) and replayed with new values
@@ -14,7 +16,8 @@ copied into the same tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,7 +25,8 @@ from eaglekv.attention.backend import AttentionBackend
 from eaglekv.core import ForwardBatch
 from eaglekv.kernels.attention import decode_attention, default_num_splits, extend_attention
 from eaglekv.kernels.fused import rope_store_qkv
-from eaglekv.kernels.guard import guard_segments
+from eaglekv.kernels.guard import checks_enabled, guard_segments
+from eaglekv.kernels.table_guard import guard_table_rows
 from eaglekv.memory import KVPool, ReqToTokenPool
 from eaglekv.model.rope import RotaryEmbedding
 
@@ -39,6 +43,8 @@ class TritonAttnMetadata:
     max_extend: int = 1
     num_splits: int | None = None            # decode: split-K of the attention (host bound)
     table: torch.Tensor | None = None        # the slot table, if not req_to_token (draft)
+    max_keys: int | None = None              # host bound on a request's keys (None: width)
+    reads_checked: bool = False              # table holds only checked slots (begin_forward)
 
     @property
     def decode(self) -> bool:
@@ -58,13 +64,18 @@ class TritonAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> TritonAttnMetadata:
         kv_start = batch.req_pool_indices * self.width
         if batch.extend_mask is None and all(e == 1 for e in batch.extend_lens_cpu):
-            return self.decode_metadata(kv_start, batch.prefix_lens + 1, batch.out_cache_loc,
-                                        max(batch.prefix_lens_cpu) + 1)
+            max_keys = max(batch.prefix_lens_cpu) + 1
+            meta = self.decode_metadata(kv_start, batch.prefix_lens + 1, batch.out_cache_loc,
+                                        max_keys)
+            meta.max_keys = max_keys
+            return meta
         q_start = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
+        max_keys = max(p + e for p, e in zip(batch.prefix_lens_cpu, batch.extend_lens_cpu))
         return TritonAttnMetadata(kv_start=kv_start, out_cache_loc=batch.out_cache_loc,
                                   kv_len=None, prefix_len=batch.prefix_lens,
                                   extend_len=batch.extend_lens, q_start=q_start,
-                                  mask=batch.extend_mask, max_extend=max(batch.extend_lens_cpu))
+                                  mask=batch.extend_mask, max_extend=max(batch.extend_lens_cpu),
+                                  max_keys=max_keys)
 
     def decode_metadata(self, kv_start: torch.Tensor, kv_len: torch.Tensor,
                         out_cache_loc: torch.Tensor, max_kv_len: int) -> TritonAttnMetadata:
@@ -99,6 +110,27 @@ class TritonAttentionBackend(AttentionBackend):
         meta.table = kv_indices
         return meta
 
+    def begin_forward(self, meta: TritonAttnMetadata) -> TritonAttnMetadata:
+        """Once per target forward, before its layers: every slot the layers will read from
+        req_to_token, checked and copied in one launch (`guard_table_rows`); the metadata
+        returned points the layers at the copy, with lengths clamped to it, and lets them read
+        it unchecked. A draft's metadata (its own table) and `guard.unchecked()` pass through;
+        so does everything inside `layer_checks()` (the kernels check every layer, the way
+        before this: kept to measure one against the other)."""
+        if meta.table is not None or meta.reads_checked or not checks_enabled() \
+                or not CHECK_ONCE:
+            return meta
+        width = self.width if meta.max_keys is None else max(1, min(meta.max_keys, self.width))
+        op = "decode_attention" if meta.decode else "extend_attention"
+        g = guard_table_rows(self.table, meta.kv_start, meta.prefix_len,
+                             meta.kv_len if meta.decode else meta.extend_len, width,
+                             self.kv_pool.size_limit, op)
+        if meta.decode:
+            return replace(meta, kv_start=g.kv_start, kv_len=g.extend_len, table=g.rows,
+                           reads_checked=True)
+        return replace(meta, kv_start=g.kv_start, prefix_len=g.prefix_len,
+                       extend_len=g.extend_len, table=g.rows, reads_checked=True)
+
     def rope_inputs(self, rope: RotaryEmbedding, positions: torch.Tensor):
         cos, sin = rope.cos_sin()
         return cos, sin, positions
@@ -120,11 +152,29 @@ class TritonAttentionBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, layer: int, meta: TritonAttnMetadata, scale: float):
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer)
         limit = self.kv_pool.size_limit
+        table = self.table if meta.table is None else meta.table
+        check = not meta.reads_checked
         if meta.decode:
-            table = self.table if meta.table is None else meta.table
             return decode_attention(q, k_buf, v_buf, table, meta.kv_start, meta.kv_len,
                                     scale, size_limit=limit, num_splits=meta.num_splits,
-                                    layer=layer)
-        return extend_attention(q, k_buf, v_buf, self.table, meta.kv_start, meta.prefix_len,
+                                    layer=layer, checked=check)
+        return extend_attention(q, k_buf, v_buf, table, meta.kv_start, meta.prefix_len,
                                 meta.extend_len, meta.q_start, scale, size_limit=limit,
-                                mask=meta.mask, max_extend=meta.max_extend, layer=layer)
+                                mask=meta.mask, max_extend=meta.max_extend, layer=layer,
+                                checked=check)
+
+
+CHECK_ONCE = True     # False inside `layer_checks()` only
+
+
+@contextmanager
+def layer_checks():
+    """Measurement only: forwards prepared (graphs captured) inside check every slot in every
+    layer's attention kernel instead of once a forward (`TritonAttentionBackend.begin_forward`);
+    `eaglekv bench`'s `*_layerchecks` modes time one against the other."""
+    global CHECK_ONCE
+    prev, CHECK_ONCE = CHECK_ONCE, False
+    try:
+        yield
+    finally:
+        CHECK_ONCE = prev

@@ -53,7 +53,12 @@ MODES = {"plain": None,
          "adaptive_eagle3": dict(algorithm="eagle3", adaptive=True),   # the EAGLE-3 head
          # built and run with every index check off (guard.unchecked): what the checks cost
          "plain_unchecked": None,
-         "eagle_chain_S5K1N6_unchecked": dict(num_steps=5, topk=1, num_draft_tokens=6)}
+         "eagle_chain_S5K1N6_unchecked": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         # checked in every layer's attention kernel, the way before the once-a-forward check
+         "plain_layerchecks": None,
+         "eagle_chain_S5K1N6_layerchecks": dict(num_steps=5, topk=1, num_draft_tokens=6)}
+
+VARIANTS = ("_unchecked", "_layerchecks")    # mode suffixes: the same shape, other checks
 
 
 def split_mode(mode: str) -> tuple[str, str | None]:
@@ -65,14 +70,18 @@ def split_mode(mode: str) -> tuple[str, str | None]:
 
 def mode_checks(mode: str):
     """`*_unchecked` modes capture their graphs and run with the index checks off
-    (`guard.unchecked`, measurement only); `@lib` modes run with that CPU matmul library;
-    every other mode as shipped."""
+    (`guard.unchecked`, measurement only); `*_layerchecks` modes with the attention reads
+    checked in every layer's kernel (`triton_backend.layer_checks`); `@lib` modes run with
+    that CPU matmul library; every other mode as shipped."""
+    from eaglekv.attention.triton_backend import layer_checks
     from eaglekv.kernels import guard
     from eaglekv.model import cpu_blas
     name, lib = split_mode(mode)
     stack = contextlib.ExitStack()
     if name.endswith("_unchecked"):
         stack.enter_context(guard.unchecked())
+    if name.endswith("_layerchecks"):
+        stack.enter_context(layer_checks())
     if lib is not None:
         stack.enter_context(cpu_blas.using(lib))
     return stack
@@ -537,7 +546,7 @@ def compare(result: dict) -> None:
             for mode, m in modes.items() if mode != "plain" + at
             and (split_mode(mode)[1] or "") == lib})
         fixed = [m for m in modes if m.startswith("eagle") and (split_mode(m)[1] or "") == lib
-                 and not split_mode(m)[0].endswith("_unchecked")]
+                 and not split_mode(m)[0].endswith(VARIANTS)]
         for name in ("adaptive", "adaptive_eagle3"):   # issue 15: vs plain and the best fixed
             if name + at not in modes:
                 continue
@@ -565,6 +574,25 @@ def compare(result: dict) -> None:
                         for B in rows[a] if B in rows[b]}
 
 
+def checks_vs_unchecked(result: dict) -> None:
+    """Issue 13: the same step with and without its index checks, as shipped
+    (`checked_vs_unchecked`, mode / mode_unchecked) and checked in every layer
+    (`layerchecks_vs_unchecked`, mode_layerchecks / mode_unchecked)."""
+    modes = result["modes"]
+    for key, suffix in (("checked_vs_unchecked", ""), ("layerchecks_vs_unchecked",
+                                                       "_layerchecks")):
+        pairs = {m.removesuffix("_unchecked") + suffix: m for m in modes
+                 if m.endswith("_unchecked") and m.removesuffix("_unchecked") + suffix in modes}
+        if pairs:
+            result[key] = {
+                m: {B: {"tokens_per_s": modes[m]["rows"][B]["tokens_per_s"]
+                        / modes[u]["rows"][B]["tokens_per_s"],
+                        "step_wall": _profile_ratio(result, m, u, B, "host_wall_ms_per_step"),
+                        "step_device": _profile_ratio(result, m, u, B, "device_ms_per_step")}
+                    for B in modes[m]["rows"] if B in modes[u]["rows"]}
+                for m, u in pairs.items()}
+
+
 def main(args) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     modes = [m for m in args.modes.split(",")]
@@ -582,16 +610,7 @@ def main(args) -> None:
         print(json.dumps({mode: {B: r["tokens_per_s"] for B, r in m["rows"].items()}}),
               flush=True)
     compare(result)
-    checked = {m.removesuffix("_unchecked"): m for m in result["modes"]
-               if m.endswith("_unchecked") and m.removesuffix("_unchecked") in result["modes"]}
-    if checked:       # issue 13: the same step with and without its index checks
-        result["checked_vs_unchecked"] = {
-            m: {B: {"tokens_per_s": result["modes"][m]["rows"][B]["tokens_per_s"]
-                    / result["modes"][u]["rows"][B]["tokens_per_s"],
-                    "step_wall": _profile_ratio(result, m, u, B, "host_wall_ms_per_step"),
-                    "step_device": _profile_ratio(result, m, u, B, "device_ms_per_step")}
-                for B in result["modes"][m]["rows"]}
-            for m, u in checked.items()}
+    checks_vs_unchecked(result)
     if not args.no_hf:
         from eaglekv.model.loader import load_checkpoint
         ids = load_checkpoint(args.model).tokenizer.encode(PROMPT)

@@ -218,11 +218,15 @@ def _triton_impl():
 
 
 def decode_attention(q, k_buffer, v_buffer, table, kv_start, kv_len, scale, *, size_limit,
-                     num_splits=None, max_kv_len=None, layer=None, out=None) -> torch.Tensor:
+                     num_splits=None, max_kv_len=None, layer=None, out=None,
+                     checked=True) -> torch.Tensor:
     """q (B, H, D) -> (B, H, D): query b over the keys pos < kv_len[b] (split-K on CUDA).
 
     `num_splits` defaults from `max_kv_len` (a host bound, default table.numel()) and B;
     `out` receives the result (graph capture). A slot outside [0, size_limit) is never read.
+    `checked=False`: the caller has checked every table position and slot this call reads
+    (`table_guard.guard_table_rows`), so the Triton kernel reads them without checks (the
+    PyTorch path checks whatever it is told).
     """
     op = "decode_attention"
     H, hkv, D = _check_common(op, q, k_buffer, v_buffer, table, size_limit, scale,
@@ -243,16 +247,17 @@ def decode_attention(q, k_buffer, v_buffer, table, kv_start, kv_len, scale, *, s
     out = torch.empty_like(q) if out is None else out
     return _triton_impl().decode_attention_triton(q, k_buffer, v_buffer, table, kv_start,
                                                   kv_len, float(scale), size_limit,
-                                                  num_splits, layer, out)
+                                                  num_splits, layer, out, checked)
 
 
 def extend_attention(q, k_buffer, v_buffer, table, kv_start, prefix_len, extend_len, q_start,
                      scale, *, size_limit, mask=None, max_extend=None, layer=None,
-                     out=None) -> torch.Tensor:
+                     out=None, checked=True) -> torch.Tensor:
     """q (T, H, D) -> (T, H, D): request b's queries over its cached prefix and its window
     (causal, or the tree `mask` (B, Nmax, Nmax) bool). `max_extend` (host bound on
     extend_len, default T) sizes the grid. Rows outside every request's queries are not
-    written (undefined when `out` is None on CUDA)."""
+    written (undefined when `out` is None on CUDA). `checked=False` as in
+    `decode_attention`."""
     op = "extend_attention"
     meta = [("kv_start", kv_start), ("prefix_len", prefix_len), ("extend_len", extend_len),
             ("q_start", q_start)]
@@ -277,4 +282,5 @@ def extend_attention(q, k_buffer, v_buffer, table, kv_start, prefix_len, extend_
     out = torch.empty_like(q) if out is None else out
     return _triton_impl().extend_attention_triton(q, k_buffer, v_buffer, table, kv_start,
                                                   prefix_len, extend_len, q_start, float(scale),
-                                                  size_limit, mask, max_extend, layer, out)
+                                                  size_limit, mask, max_extend, layer, out,
+                                                  checked)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from eaglekv.kernels.guard import checks_enabled, kv_guard
+from eaglekv.kernels.table_guard import TablePositions
 
 _BIG = tl.constexpr(2**62)      # larger than any flat table position: neutral for min
 _NEG = tl.constexpr(-1.0e30)    # running max before any visible key (finite: no inf - inf)
@@ -322,29 +323,13 @@ def _f32_dot(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and _INTERPRET)
 
 
-class TablePositions:
-    """The `indices` of a guard call of table positions: the kernels key a position outside
-    the table by `_outside`'s 32-bit code, and the guard reads the bad value back as
-    `indices.reshape(-1)[code]` (this object is its own flat view), on the error path only."""
-
-    def __init__(self, n_table: int):
-        self.n_table = n_table
-
-    def reshape(self, *shape) -> "TablePositions":
-        return self
-
-    def numel(self) -> int:
-        return self.n_table
-
-    def __getitem__(self, code: int) -> int:
-        code = int(code)
-        return self.n_table + code if code < 2**31 else -(code - 2**31) - 1
-
-
-def _register(op: str, size_limit: int, table: torch.Tensor, layer: int | None):
+def _register(op: str, size_limit: int, table: torch.Tensor, layer: int | None, check: int):
     """Two guard calls a launch: `call_id` for table positions outside the table (limit
-    table.numel()), `call_id + 1` for slots outside [0, size_limit) (the table's entries)."""
+    table.numel()), `call_id + 1` for slots outside [0, size_limit) (the table's entries);
+    none for an unchecked launch (call_id 0 unused)."""
     guard = kv_guard(table.device)
+    if not check:
+        return guard, 0
     call_id = guard.register(f"{op} table position", table.numel(),
                              TablePositions(table.numel()), layer, dense=False)
     guard.register(op, size_limit, table, layer, dense=False)
@@ -353,9 +338,14 @@ def _register(op: str, size_limit: int, table: torch.Tensor, layer: int | None):
     return guard, call_id
 
 
+def _check_level(checked: bool) -> int:
+    return CHECK_LEVEL if checked and checks_enabled() else 0
+
+
 def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scale: float,
-                            size_limit: int, num_splits: int, layer, out):
-    """Arguments checked by `attention.decode_attention`; writes and returns `out` (B, H, D)."""
+                            size_limit: int, num_splits: int, layer, out, checked=True):
+    """Arguments checked by `attention.decode_attention`; writes and returns `out` (B, H, D).
+    checked=False: the table was checked before (`table_guard`), the kernel reads it as is."""
     B, H, D = q.shape
     hkv = k_buffer.shape[1]
     if B == 0:
@@ -368,14 +358,14 @@ def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scal
         mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out                                          # unused
-    guard, call_id = _register("decode_attention", size_limit, table, layer)
+    check = _check_level(checked)
+    guard, call_id = _register("decode_attention", size_limit, table, layer, check)
     _decode_kernel[(B, hkv, num_splits)](
         q, k_buffer, v_buffer, table, kv_start, kv_len, out, mid_o, mid_lse, guard.err,
         call_id, size_limit, table.numel(), scale * _LOG2E, *q.stride(), *out.stride(),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         H=H, G=G, GP=GP, D=D, DP=DP, BLOCK_N=block_n, SPLITS=num_splits,
-        F32DOT=_f32_dot(q.dtype), CHECK=CHECK_LEVEL if checks_enabled() else 0, num_warps=4,
-        num_stages=DECODE_STAGES)
+        F32DOT=_f32_dot(q.dtype), CHECK=check, num_warps=4, num_stages=DECODE_STAGES)
     if num_splits > 1:
         _merge_kernel[(B, H)](mid_o, mid_lse, out, *out.stride(), H=H, D=D, DP=DP,
                               SPLITS=num_splits, SP=triton.next_power_of_2(num_splits),
@@ -400,8 +390,9 @@ def extend_tile(max_extend: int, GP: int, DP: int) -> tuple[int, int, bool]:
 
 def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, extend_len,
                             q_start, scale: float, size_limit: int, mask, max_extend: int,
-                            layer, out):
-    """Arguments checked by `attention.extend_attention`; writes and returns `out` (T, H, D)."""
+                            layer, out, checked=True):
+    """Arguments checked by `attention.extend_attention`; writes and returns `out` (T, H, D).
+    checked=False as in `decode_attention_triton`."""
     T, H, D = q.shape
     B, hkv = kv_start.shape[0], k_buffer.shape[1]
     if B == 0 or max_extend == 0 or T == 0:
@@ -412,14 +403,15 @@ def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, 
     custom = mask is not None
     mk = mask.view(torch.uint8) if custom else table                   # bool read as bytes
     ms = mk.stride() if custom else (0, 0, 0)
-    guard, call_id = _register("extend_attention", size_limit, table, layer)
+    check = _check_level(checked)
+    guard, call_id = _register("extend_attention", size_limit, table, layer, check)
     _extend_kernel[(B, triton.cdiv(max_extend, block_m), hkv)](
         q, k_buffer, v_buffer, out, table, kv_start, prefix_len, extend_len, q_start, mk,
         guard.err, call_id, size_limit, table.numel(), scale * _LOG2E, *q.stride(),
         *out.stride(), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
         v_buffer.stride(1), *ms, mask.shape[1] if custom else 0, T, B, max_extend,
         G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m, BLOCK_N=block_n, CUSTOM=custom,
-        F32DOT=_f32_dot(q.dtype), CHECK=CHECK_LEVEL if checks_enabled() else 0,
+        F32DOT=_f32_dot(q.dtype), CHECK=check,
         num_warps=8 if block_m * GP >= 128 else 4,
         num_stages=1 if short else DEFAULT_STAGES)
     guard.after_launch()

@@ -264,6 +264,7 @@ class LlamaForCausalLM:
                        capture_layers: tuple[int, ...] = ()) -> ModelOutput:
         """The forward over prepared attention metadata: (T,) ids and positions. Device work
         only (no host sync, no shape read from the device), so a CUDA graph can capture it."""
+        meta = backend.begin_forward(meta)          # the reads of every layer, checked once
         rope = backend.rope_inputs(self.rope, positions)
         x = self.embed_tokens(input_ids)                                 # (T, H)
         residual, aux = None, []

@@ -160,3 +160,32 @@ def test_modes_with_a_cpu_library_compare_within_their_library():
     with mode_checks("plain@torch"):
         assert cpu_blas.mode() == "torch"
     assert cpu_blas.mode() == before
+
+
+def test_checks_are_compared_with_the_unchecked_step():
+    """`*_unchecked` and `*_layerchecks` modes: the shipped step and the every-layer step each
+    against the unchecked one; neither variant counts as a fixed shape for adaptive; the
+    `_layerchecks` mode builds its engine inside `layer_checks()`."""
+    from eaglekv.attention import triton_backend
+    from eaglekv.bench.gpu import checks_vs_unchecked, compare, mode_checks
+
+    def row(*tps):
+        return {"rows": {1: {"tokens_per_s": tps[0]}, 4: {"tokens_per_s": tps[1]}}}
+    result = {"modes": {"plain": row(10, 40), "plain_unchecked": row(10, 50),
+                        "eagle_chain_S5K1N6": row(18, 45),
+                        "eagle_chain_S5K1N6_unchecked": row(20, 50),
+                        "eagle_chain_S5K1N6_layerchecks": row(16, 45),
+                        "adaptive": row(18, 40)}}
+    checks_vs_unchecked(result)
+    ratio = {m: {B: r["tokens_per_s"] for B, r in rows.items()}
+             for m, rows in result["checked_vs_unchecked"].items()}
+    assert ratio == {"plain": {1: 1.0, 4: 0.8}, "eagle_chain_S5K1N6": {1: 0.9, 4: 0.9}}
+    assert {m: {B: r["tokens_per_s"] for B, r in rows.items()}
+            for m, rows in result["layerchecks_vs_unchecked"].items()} == {
+        "eagle_chain_S5K1N6_layerchecks": {1: 0.8, 4: 0.9}}
+    compare(result)
+    assert result["adaptive_vs"][1]["best_fixed"] == 1.0      # not 18 / 20: unchecked
+    assert triton_backend.CHECK_ONCE
+    with mode_checks("eagle_chain_S5K1N6_layerchecks"):
+        assert not triton_backend.CHECK_ONCE
+    assert triton_backend.CHECK_ONCE

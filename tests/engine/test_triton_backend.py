@@ -38,7 +38,11 @@ def reference(tiny_dir):
 
 @pytest.mark.parametrize("case", ["plain-ps1", "plain-ps4", "chain-window", "tree-window",
                                   "tree-after-sync"])
-def test_triton_backend_equals_torch(tiny_dir, reference, case):
+def test_triton_backend_equals_torch(tiny_dir, reference, monkeypatch, case):
+    """... and the target's layers read a copy of req_to_token's rows checked once a forward,
+    with the unchecked kernels, while the draft's reads (its own table) are checked in the
+    kernel."""
+    calls = _attention_calls(monkeypatch)
     kind, rest = case.split("-", 1)
     opts = dict(device=DEV, max_running_requests=4, attention_backend="triton",
                 page_size=4 if rest == "ps4" or kind == "tree" else 1)
@@ -53,3 +57,78 @@ def test_triton_backend_equals_torch(tiny_dir, reference, case):
     assert [o.token_ids for o in engine.generate(PROMPTS, SP)] == reference
     engine.check_memory()
     assert engine.allocator.is_full()
+    target = [c[1:] for c in calls if c[0] is engine.backend]
+    draft = [c[1:] for c in calls if c[0] is not engine.backend]
+    assert target and not any(checked or direct for _, checked, direct in target)
+    assert {op for op, _, _ in target} == ({"decode", "extend"} if kind == "plain"
+                                           else {"extend"})   # prefill, then verify
+    assert all(checked for _, checked, _ in draft) and (kind == "plain") == (not draft)
+
+
+def _attention_calls(monkeypatch):
+    """Record (backend, op, checked in the kernel, reads req_to_token) of every attention call
+    of the Triton backends (the target's and the draft's)."""
+    import eaglekv.attention.triton_backend as tb
+    calls = []
+    real = tb.TritonAttentionBackend.attend
+
+    def spy(self, q, layer, meta, scale):
+        table = self.table if meta.table is None else meta.table
+        calls.append((self, "decode" if meta.decode else "extend", not meta.reads_checked,
+                      table.data_ptr() == self.table.data_ptr()))
+        return real(self, q, layer, meta, scale)
+    monkeypatch.setattr(tb.TritonAttentionBackend, "attend", spy)
+    return calls
+
+
+def test_layer_checks_read_req_to_token_in_every_layer(tiny_dir, reference, monkeypatch):
+    """Inside `layer_checks()` (measurement: the way before the once-a-forward check) every
+    target layer checks req_to_token itself; the same tokens."""
+    from eaglekv.attention.triton_backend import layer_checks
+    calls = _attention_calls(monkeypatch)
+    with layer_checks():
+        engine = tiny_engine(tiny_dir, device=DEV, max_running_requests=4,
+                             attention_backend="triton")
+        assert [o.token_ids for o in engine.generate(PROMPTS, SP)] == reference
+    assert calls and all(checked and direct for _, _, checked, direct in calls)
+    assert {c[1] for c in calls} == {"decode", "extend"}
+
+
+@pytest.mark.parametrize("where", ["slot", "row"])
+def test_a_corrupt_entry_is_refused_once_a_forward(tiny_dir, reference, where):
+    """A corrupt req_to_token entry (a slot past the pool) or a corrupt row start read by the
+    once-a-forward check: KVIndexError naming the value at the step's sync, the engine serves
+    the next request exactly, the books balance."""
+    from eaglekv import KVIndexError
+    engine = tiny_engine(tiny_dir, device=DEV, max_running_requests=4,
+                         attention_backend="triton", num_scheduler_steps=1)
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=64, ignore_eos=True))
+            for p in PROMPTS[:2]]
+    while any(len(r.output_ids) < 2 for r in reqs):
+        engine.step()
+    limit = engine.kv_pool.size_limit
+    if where == "slot":
+        engine.req_to_token.req_to_token[reqs[1].row, 1] = limit + 7
+        match = rf"slot {limit + 7} out of range \[0, {limit}\) in decode_attention "
+    else:   # the batch's row start past the table, through the metadata
+        import eaglekv.attention.triton_backend as tb
+        real = tb.TritonAttentionBackend.init_forward_metadata
+        n_table = engine.backend.table.numel()
+
+        def corrupt(self, batch):
+            meta = real(self, batch)
+            meta.kv_start[-1] = n_table + 3
+            tb.TritonAttentionBackend.init_forward_metadata = real
+            return meta
+        tb.TritonAttentionBackend.init_forward_metadata = corrupt
+        match = rf"slot {n_table + 3} out of range \[0, {n_table}\) in decode_attention table"
+    try:
+        with pytest.raises(KVIndexError, match=match):
+            engine.step()
+    finally:
+        if where == "row":
+            tb.TritonAttentionBackend.init_forward_metadata = real
+    assert all(r.finished for r in reqs)
+    assert engine.allocator.is_full()
+    assert [o.token_ids for o in engine.generate(PROMPTS, SP)] == reference
+    engine.check_memory()
