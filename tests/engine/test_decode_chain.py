@@ -31,7 +31,10 @@ def _interpret_only_here(monkeypatch):
 
 
 def chain_engine(tiny_dir, steps: int, **options):
+    """A context of 64 (prompts and their 12 tokens fit): the graph's split-K follows the
+    context limit, and under the Triton interpreter every split costs its program's time."""
     options.setdefault("max_running_requests", 4)
+    options.setdefault("max_context_len", 64)
     engine = tiny_engine(tiny_dir, attention_backend="triton", **options)
     engine.runner.graphs = DecodeGraphs(engine.model, engine.backend,
                                         engine.config.max_running_requests,

@@ -706,8 +706,11 @@ def test_plain_cost_is_per_token_of_a_chain():
 # ---- chains of plain steps (decode graphs' buffers, on CPU) ---------------------------------------
 def chain_adaptive_engine(tiny_dir, steps: int, **options):
     """An adaptive engine on the Triton backend whose plain steps replay DecodeGraphs'
-    buffers (capture=False: eager, the same buffer logic), in chains of up to `steps`."""
+    buffers (capture=False: eager, the same buffer logic), in chains of up to `steps`. A
+    context of 128 (the prompts and their 40 tokens fit): the graph's split-K follows the
+    context limit, and under the Triton interpreter each split costs as much as its keys."""
     from eaglekv.cuda_graph import DecodeGraphs
+    options.setdefault("max_context_len", 128)
     eng = adaptive_engine(tiny_dir, attention_backend="triton", num_scheduler_steps=steps,
                           **options)
     w = eng.runner

@@ -31,6 +31,8 @@ def _interpret_only_here(monkeypatch):
     monkeypatch.setenv("EAGLEKV_TRITON_ON_CPU", "1")
 
 
+# the engines on the Triton backend take a context of 64 (the prompts and their tokens fit):
+# graph buffers size the split-K by the context limit, and the interpreter runs every split
 @pytest.fixture(scope="module")
 def reference(tiny_dir):
     return [o.token_ids for o in tiny_engine(tiny_dir, max_running_requests=4).generate(
@@ -38,7 +40,8 @@ def reference(tiny_dir):
 
 
 def test_decode_buffers(tiny_dir, reference):
-    engine = tiny_engine(tiny_dir, max_running_requests=4, attention_backend="triton")
+    engine = tiny_engine(tiny_dir, max_running_requests=4, attention_backend="triton",
+                         max_context_len=64)
     graphs = DecodeGraphs(engine.model, engine.backend, 4, engine.max_context_len,
                           progress=False, capture=False)
     engine.runner.graphs = graphs
@@ -67,7 +70,7 @@ def test_spec_step_buffers(tiny_dir, reference, S, K, N):
     """A greedy speculative step through SpecStepGraphs' buffers: 3 requests in the 4-row
     bucket, then 2 in the 2-row one as requests finish; the same tokens as plain decoding."""
     engine = tiny_engine(tiny_dir, max_running_requests=4, attention_backend="triton",
-                         speculative=spec("eagle", S, K, N))
+                         max_context_len=64, speculative=spec("eagle", S, K, N))
     w = engine.runner
     assert w.draft_graphable(w.drafter)
     w.slots.hold_both = True
@@ -88,7 +91,7 @@ def test_sampled_step_replays_only_the_verify(tiny_dir):
     outs = []
     for graphs in (False, True):
         engine = tiny_engine(tiny_dir, max_running_requests=4, attention_backend="triton",
-                             speculative=spec("eagle", 3, 1, 4))
+                             max_context_len=64, speculative=spec("eagle", 3, 1, 4))
         w = engine.runner
         if graphs:
             w.slots.hold_both = True
