@@ -57,13 +57,13 @@ def count_ops(fn) -> Counter:
                     if e.key.startswith("aten::") and not e.key.startswith("aten::_")})
 
 
-def run(tiny: Path, mode: str, batch: int, steps: int) -> dict:
+def run(tiny: Path, mode: str, batch: int, steps: int, chain: int = 8) -> dict:
     kw = dict(max_running_requests=max(batch, 2), attention_backend="triton",
               max_total_tokens=batch * (steps * 8 + 64) + 256)
     if mode != "plain":
         kw["speculative"] = spec("eagle", 5, 1, 6)
     else:
-        kw["num_scheduler_steps"] = 8
+        kw["num_scheduler_steps"] = chain
     e = tiny_engine(tiny, **kw)
     cfg = e.model_config
     if mode == "plain":
@@ -97,6 +97,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--chain", type=int, default=8, help="plain: num_scheduler_steps")
+    ap.add_argument("--modes", default="plain,eagle S5K1N6")
     ap.add_argument("--out")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -104,8 +106,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         make_tiny(Path(d))
         for b in [int(x) for x in a.batches.split(",")]:
-            for mode in ("plain", "eagle S5K1N6"):
-                r = run(Path(d), mode, b, a.steps)
+            for mode in a.modes.split(","):
+                r = run(Path(d), mode, b, a.steps, a.chain)
                 rows.append(r)
                 print(f"{mode:14s} b{b:<3d} {r['host_ms_per_step']:.3f} ms/step "
                       f"{r['host_us_per_token']:.1f} us/token  {r['torch_ops_per_step']} ops/step")

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from eaglekv.core import ForwardBatch, StepPlan, StepResult
-from eaglekv.errors import OutOfKVMemoryError
 from eaglekv.kernels.guard import kv_guard
 from eaglekv.sampling import sample_requests
 
@@ -113,12 +112,14 @@ class ModelRunner:
         reqs = plan.reqs
         k = min(self.decode_steps,
                 min(r.params.max_new_tokens - len(r.output_ids) for r in reqs))
-        extra = self._alloc_chain(reqs, k - 1)                 # (n,) slots of steps 1 .. k-1
-        if not extra:
+        # (k-1, n) slots of steps 1 .. k-1 (fewer when the pool runs out: a chain never preempts)
+        extra = self.res.allocator.alloc_decode_steps([r.kv_len for r in reqs],
+                                                      [r.last_slot for r in reqs], k - 1)
+        if not extra.shape[0]:
             return None
-        k = 1 + len(extra)
+        k = 1 + extra.shape[0]
         n = len(reqs)
-        chain_slots = torch.stack([torch.from_numpy(slots)] + extra)               # (k, n)
+        chain_slots = torch.cat([torch.from_numpy(slots)[None], extra])             # (k, n)
         # req_to_token entries of positions kv_len .. kv_len + k - 2, in one copy
         rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
         cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
@@ -146,20 +147,6 @@ class ModelRunner:
                 result.kv_advance[i], result.last_slots[i] = k - 1, int(chain_slots[-1, i])
         result.free_slots = torch.cat(free) if free else None
         return result
-
-    def _alloc_chain(self, reqs, m: int) -> list[torch.Tensor]:
-        """Up to m more decode slots per request (one allocator call per step, all requests
-        at once), fewer when the pool runs out: a chain never preempts."""
-        alloc, out = self.res.allocator, []
-        kv, last = [r.kv_len for r in reqs], [r.last_slot for r in reqs]
-        for _ in range(m):
-            try:
-                s = alloc.alloc_decode(kv, last)
-            except OutOfKVMemoryError:
-                break
-            out.append(s)
-            kv, last = [x + 1 for x in kv], s.tolist()
-        return out
 
     def extend_batch(self, plan: StepPlan) -> ForwardBatch:
         return ForwardBatch.build(plan.ids, plan.prefix_lens, [r.row for r in plan.reqs],

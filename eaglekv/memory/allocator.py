@@ -140,6 +140,50 @@ class SlotAllocator:
             slots[fresh] = self._pop(k) * ps
         return self._take(slots)
 
+    def alloc_decode_steps(self, seq_lens: list[int], last_slots: list[int],
+                           m: int) -> torch.Tensor:
+        """Slots for the next m decode steps of n requests, int64 `(m', n)`: row j is what the
+        j-th of m successive `alloc_decode` calls gives (positions seq_lens + j, each
+        continuing the row before), in one pass for a multi-step decode chain. m' < m when the
+        free pages run out: the steps that fit, whole (a step is all or nothing, and so is the
+        call: on an error nothing is taken)."""
+        ps, n = self.page_size, len(seq_lens)
+        if m <= 0 or n == 0:
+            return torch.empty(0, n, dtype=torch.int64)
+        seq = np.asarray(seq_lens, dtype=np.int64)                             # (n,)
+        j = np.arange(m, dtype=np.int64)[:, None]                              # (m, 1)
+        fresh = (seq[None, :] + j) % ps == 0                                   # (m, n) new page
+        need = np.cumsum(np.count_nonzero(fresh, axis=1))                      # pages by step
+        m = int(np.searchsorted(need, self._top, side="right"))                # steps that fit
+        if m == 0:
+            return torch.empty(0, n, dtype=torch.int64)
+        fresh = fresh[:m]
+        last = np.asarray(last_slots, dtype=np.int64)
+        cont = ~fresh[0]                         # step 0 continues the request's last page
+        if cont.any():
+            lc = last[cont]
+            bad = (lc < ps) | (lc >= self.size + ps) | (lc % ps != (seq[cont] - 1) % ps)
+            if not bad.any():
+                bad = ~self._used[lc]
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise AllocatorError(f"decode alloc: last_slot={int(lc[i])} is not the in-use "
+                                     f"slot of position {int(seq[cont][i]) - 1} "
+                                     f"(page_size={ps})")
+        # slot[j, i]: a fresh step opens a page, any other continues the step before it
+        # (step -1 being last_slots): anchor = the latest fresh step <= j, or -1
+        anchor = np.maximum.accumulate(np.where(fresh, j[:m], -1), axis=0)     # (m, n)
+        opened = np.zeros((m, n), dtype=np.int64)
+        opened[fresh] = self._stack[self._top - int(need[m - 1]):self._top][::-1] * ps
+        base = np.where(anchor >= 0, opened[np.maximum(anchor, 0), np.arange(n)], last)
+        slots = base + (j[:m] - anchor)                                        # (m, n)
+        if self._used[slots[~fresh]].any():
+            s = int(slots[~fresh][self._used[slots[~fresh]]][0])
+            raise AllocatorError(f"decode alloc: slot {s} after a request's last slot is "
+                                 "already in use")
+        self._pop(int(need[m - 1]))
+        return self._take(slots.reshape(-1)).view(m, n)
+
     def _take(self, slots: np.ndarray) -> torch.Tensor:
         """Mark the (distinct, free) slots in use -> them as a torch int64 tensor."""
         self._used[slots] = True

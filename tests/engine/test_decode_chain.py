@@ -146,17 +146,14 @@ def test_bad_chain_slot_is_refused(tiny_dir, reference):
     reqs = [engine.add_request(p, sp) for p in PROMPTS[:2]]
     engine.step()                                           # the prefill
     limit = engine.kv_pool.size_limit
-    real = engine.allocator.alloc_decode
-    state = {"calls": 0}
+    real = engine.allocator.alloc_decode_steps
 
-    def bad(seq_lens, last_slots):
-        s = real(seq_lens, last_slots)
-        state["calls"] += 1
-        if state["calls"] == 2:                             # the chain's second step
-            engine.allocator.free(s[1:])
-            return torch.cat([s[:1], torch.full_like(s[1:], limit + 3)])
+    def bad(seq_lens, last_slots, m):
+        s = real(seq_lens, last_slots, m)                   # (m, n): the chain's steps 1..m
+        engine.allocator.free(s[0, 1:])
+        s[0, 1:] = limit + 3                                # the chain's second step
         return s
-    engine.allocator.alloc_decode = bad
+    engine.allocator.alloc_decode_steps = bad
     before = engine.kv_pool.kv.clone()
     replays = engine.runner.graphs.replays
     with pytest.raises(KVIndexError, match=rf"slot {limit + 3} out of range \[0, {limit}\) "
@@ -164,7 +161,7 @@ def test_bad_chain_slot_is_refused(tiny_dir, reference):
         engine.step()
     assert engine.runner.graphs.replays == replays          # refused before the first replay
     assert torch.equal(engine.kv_pool.kv, before)
-    engine.allocator.alloc_decode = real
+    engine.allocator.alloc_decode_steps = real
     assert all(r.finished for r in reqs)
     assert engine.allocator.is_full()
     engine.check_memory()

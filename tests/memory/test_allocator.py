@@ -564,3 +564,62 @@ def test_alloc_rows_takes_distinct_free_slots_all_or_nothing():
     assert a.available_slots() == 16
     with pytest.raises(AllocatorError, match="page_size 1"):
         SlotAllocator(16, 4).alloc_rows(1, 2)
+
+
+def _twins(ps: int, size: int, seed: int):
+    """Two allocators in the same state: requests of random lengths, some freed."""
+    rng = random.Random(seed)
+    pair = [SlotAllocator(size, ps), SlotAllocator(size, ps)]
+    reqs = []
+    for _ in range(rng.randint(1, 6)):
+        n = rng.randint(1, 3 * ps + 1)
+        if n // ps + 2 > pair[0].free_pages:
+            break
+        slots = [a.alloc(n) for a in pair]
+        reqs.append((n, int(slots[0][-1])))
+    if len(reqs) > 1:           # free one: its pages go back to the top of the stack
+        n, _ = reqs.pop(rng.randrange(len(reqs)))
+    return pair, reqs
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+@pytest.mark.parametrize("seed", range(12))
+def test_decode_steps_equal_successive_decode_allocs(ps, seed):
+    """`alloc_decode_steps(seq, last, m)` gives, row for row, what m successive
+    `alloc_decode` calls give (each from the step before), and stops at the last step that
+    fits when the pages run out, as the chain's loop of calls did; the books agree."""
+    size = 64 * ps if seed % 3 else 12 * ps                  # some pools run out mid-chain
+    (a, b), reqs = _twins(ps, size, seed)
+    if not reqs:
+        pytest.skip("no request fitted")
+    m = random.Random(seed).randint(1, 3 * ps + 2)
+    seq, last = [n for n, _ in reqs], [s for _, s in reqs]
+    got = a.alloc_decode_steps(seq, last, m)
+    want = []
+    for _ in range(m):
+        try:
+            s = b.alloc_decode(seq, last)
+        except OutOfKVMemoryError:
+            break
+        want.append(s)
+        seq, last = [x + 1 for x in seq], s.tolist()
+    assert got.shape == (len(want), len(reqs))
+    if want:
+        assert torch.equal(got, torch.stack(want))
+    assert a.free_page_list() == b.free_page_list()
+    assert torch.equal(a.used_slots(), b.used_slots())
+    a.check_integrity()
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_decode_steps_refuse_a_bad_last_slot_and_take_nothing(ps):
+    alloc = SlotAllocator(32 * ps, ps)
+    s = alloc.alloc(3)
+    before = (alloc.free_page_list(), alloc.used_slots())
+    if ps > 1:
+        with pytest.raises(AllocatorError, match="last_slot"):
+            alloc.alloc_decode_steps([3], [int(s[-1]) + 1], 5)     # not the in-use last slot
+        assert (alloc.free_page_list(), alloc.used_slots().tolist()) == (
+            before[0], before[1].tolist())
+    assert alloc.alloc_decode_steps([3], [int(s[-1])], 0).shape == (0, 1)
+    assert alloc.alloc_decode_steps([], [], 4).shape == (0, 0)
