@@ -30,9 +30,9 @@ import torch
 
 from eaglekv.attention.triton_backend import TritonAttnMetadata
 from eaglekv.errors import KVIndexError
+from eaglekv.kernels.greedy import greedy_pick
 from eaglekv.kernels.guard import kv_guard
 from eaglekv.model.llama import ModelOutput
-from eaglekv.sampling import valid_argmax
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -175,8 +175,9 @@ class DecodeGraphs(CapturedForwards):
         logits = out.logits                                                       # (b, V)
         if f is not None:
             store_features(self.feature_table, slots, f.features(out))
-        # the greedy pick and its validity (sampling.valid_argmax), for an all-greedy batch
-        greedy = torch.stack([logits.argmax(-1), valid_argmax(logits).long()], 1)  # (b, 2)
+        # the greedy pick and its validity (sampling.valid_argmax's rule), for an all-greedy
+        # batch, in one launch (kernels/greedy.py)
+        greedy = greedy_pick(logits)                                              # (b, 2)
         return logits, greedy
 
     def replay(self, ids: list[int], positions: list[int], rows: list[int],

@@ -16,8 +16,8 @@ import torch
 
 from eaglekv.attention.triton_backend import TritonAttnMetadata
 from eaglekv.cuda_graph import CapturedForwards
+from eaglekv.kernels.greedy import greedy_pick
 from eaglekv.kernels.guard import guard_indices, guard_path
-from eaglekv.sampling import valid_argmax
 from eaglekv.speculative.accept import greedy_accept
 from eaglekv.speculative.drafter import DraftOut, stack_roots
 from eaglekv.speculative.slots import DraftBatch
@@ -102,8 +102,10 @@ class SpecStepGraphs(CapturedForwards):
         logits = out.logits.view(b, N, -1)                                       # (b, N, V)
         feats = w.drafter.features(out).view(b, N, -1)                           # (b, N, Hf)
         # 3. greedy acceptance; 4. the accepted K/V to depth order (as EagleWorker.decode)
-        ok = valid_argmax(logits)                                                 # (b,)
-        vr = greedy_accept(tree, logits.argmax(-1), S)
+        # each node's argmax and its validity in one launch (kernels/greedy.py)
+        pick = greedy_pick(logits.view(b * N, -1)).view(b, N, 2)                  # (b, N, 2)
+        ok = pick[..., 1].all(-1)                                                 # (b,)
+        vr = greedy_accept(tree, pick[..., 0], S)
         # the accepted nodes address the verify window: checked as the eager step does
         vr.path = guard_path(vr.path, tree.parent, "tree retrieve (accepted node)")
         committed = vr.committed_tokens(tree)                                     # (b, S + 1)

@@ -58,6 +58,12 @@ for has_pre in (False, True):
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     out[f"table_guard{int(has_pre)}_ptx"] = len(k.asm["ptx"])
+from eaglekv.kernels import greedy_triton as gt
+fn = gt._greedy_pick_kernel
+src = ASTSource(fn, {"x_ptr": "*bf16", "out_ptr": "*i64", "V": "i32", "s0": "i32",
+                     "BLOCK": "constexpr"}, constexprs={(fn.arg_names.index("BLOCK"),): gt.BLOCK})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+out["greedy_pick_ptx"] = len(k.asm["ptx"])
 print(json.dumps(out))
 '''
 
@@ -82,6 +88,10 @@ def test_the_once_a_forward_check_compiles_for_sm90(async_copies, has_pre):
     """`table_guard_triton`'s kernel (decode and extend) compiles for the H200: the Triton
     interpreter the other tests run it under accepts code a GPU compile refuses."""
     assert async_copies[f"table_guard{has_pre}_ptx"] > 1000
+
+
+def test_the_greedy_pick_compiles_for_sm90(async_copies):
+    assert async_copies["greedy_pick_ptx"] > 1000
 
 
 @pytest.mark.parametrize("check", [0, 1])
