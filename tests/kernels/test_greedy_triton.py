@@ -7,22 +7,15 @@ TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"   # before triton and the kernel module are imported
-triton = pytest.importorskip("triton")
+from triton_here import DEV, GPU_MARK, ON_GPU  # noqa: I001  (before the kernel modules)
 
 from eaglekv.kernels.greedy import greedy_pick, greedy_pick_torch  # noqa: E402
 from eaglekv.kernels.greedy_triton import BLOCK, greedy_pick_triton  # noqa: E402
 from eaglekv.sampling import valid_argmax  # noqa: E402
 
-DEV = "cuda" if ON_GPU else "cpu"
-pytestmark = pytest.mark.gpu if ON_GPU else []
+pytestmark = GPU_MARK
 
 
 def _rows(R, V, dtype, seed):

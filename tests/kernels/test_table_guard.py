@@ -8,15 +8,9 @@ req_to_token. Runs on the GPU when there is one, else under TRITON_INTERPRET=1."
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"   # before triton and the kernel modules are imported
-triton = pytest.importorskip("triton")
+from triton_here import DEV, GPU_MARK  # noqa: I001  (before the kernel modules)
 
 from eaglekv.errors import KVIndexError  # noqa: E402
 from eaglekv.kernels import guard  # noqa: E402
@@ -25,8 +19,7 @@ from eaglekv.kernels.table_guard import (  # noqa: E402
 from eaglekv.kernels.table_guard_triton import (  # noqa: E402
     BLOCK, MAX_SPLIT, guard_table_rows_triton)
 
-DEV = "cuda" if ON_GPU else "cpu"
-pytestmark = pytest.mark.gpu if ON_GPU else []
+pytestmark = GPU_MARK
 ROWS, LIMIT = 5, 300          # table (ROWS, width) of slots in [0, LIMIT)
 
 
