@@ -35,9 +35,12 @@ case "${1:-bench}" in
   checks)
     # what the index checks cost: the attention kernels' check variants pipelined and not
     # (bench/attention_checks.py, ~1 min), then the engine checked and unchecked
-    python3 bench/attention_checks.py --out "$OUT/attention_checks_h200.json" 2>&1 | tail -6
-    MODES=${MODES:-plain,plain_unchecked,eagle_chain_S5K1N6,eagle_chain_S5K1N6_unchecked,adaptive} \
-      FLOOR=0 "$0" bench
+    # ("g": the check once a forward, then the layers unchecked, as shipped since 2026-12-05),
+    # then the engine as shipped, checked in every layer (the way before) and unchecked
+    python3 bench/attention_checks.py --variants "${VARIANTS:-0,1,g}" \
+      --out "$OUT/attention_checks_h200.json" 2>&1 | tail -6
+    MODES=${MODES:-plain,plain_unchecked,plain_layerchecks,eagle_chain_S5K1N6,eagle_chain_S5K1N6_unchecked,eagle_chain_S5K1N6_layerchecks} \
+      BATCHES=${BATCHES:-1,64} LLAMA8B=${LLAMA8B:-" "} FLOOR=0 "$0" bench
     ;;
   tests)
     shift
