@@ -51,6 +51,10 @@ MODES = {"plain": None,
                                      num_draft_tokens=24),
          "adaptive": dict(adaptive=True),
          "adaptive_eagle3": dict(algorithm="eagle3", adaptive=True),   # the EAGLE-3 head
+         # with the wide tree among its candidates: the best fixed shape at batch 4 on the
+         # H200 (2026-12-05), which the device's default candidates do not have
+         "adaptive_eagle3_trees": dict(algorithm="eagle3", adaptive=True,
+                                       shapes=((3, 1, 4), (5, 1, 6), (4, 2, 8), (6, 4, 16))),
          # built and run with every index check off (guard.unchecked): what the checks cost
          "plain_unchecked": None,
          "eagle_chain_S5K1N6_unchecked": dict(num_steps=5, topk=1, num_draft_tokens=6),
@@ -59,6 +63,7 @@ MODES = {"plain": None,
          "eagle_chain_S5K1N6_layerchecks": dict(num_steps=5, topk=1, num_draft_tokens=6)}
 
 VARIANTS = ("_unchecked", "_layerchecks")    # mode suffixes: the same shape, other checks
+ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees")
 
 
 def split_mode(mode: str) -> tuple[str, str | None]:
@@ -547,14 +552,19 @@ def compare(result: dict) -> None:
             and (split_mode(mode)[1] or "") == lib})
         fixed = [m for m in modes if m.startswith("eagle") and (split_mode(m)[1] or "") == lib
                  and not split_mode(m)[0].endswith(VARIANTS)]
-        for name in ("adaptive", "adaptive_eagle3"):   # issue 15: vs plain and the best fixed
+        for name in ADAPTIVE_MODES:            # issue 15: vs plain and the best fixed
             if name + at not in modes:
                 continue
             ad = modes[name + at]["rows"]
+            # the same head's fixed shapes: the ones this adaptive mode chooses among
+            head = [f for f in fixed if f.startswith("eagle3") == ("eagle3" in name)]
+
+            def best(among, B):
+                return max([modes[f]["rows"][B]["tokens_per_s"] for f in among
+                            if B in modes[f]["rows"]] + [plain[B]["tokens_per_s"]])
             vs = {B: {"plain": ad[B]["tokens_per_s"] / plain[B]["tokens_per_s"],
-                      "best_fixed": ad[B]["tokens_per_s"] / max(
-                          [modes[f]["rows"][B]["tokens_per_s"] for f in fixed if B in
-                           modes[f]["rows"]] + [plain[B]["tokens_per_s"]])}
+                      "best_fixed": ad[B]["tokens_per_s"] / best(fixed, B),
+                      "best_fixed_same_head": ad[B]["tokens_per_s"] / best(head, B)}
                   for B in ad if B in plain}
             if at:
                 result.setdefault(f"{name}_vs", {})[at] = vs

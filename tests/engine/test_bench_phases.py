@@ -146,20 +146,42 @@ def test_modes_with_a_cpu_library_compare_within_their_library():
     compare(result)
     assert result["speedup_vs_plain"]["eagle_chain_S5K1N6@numpy"] == {1: 1.5, 4: 1.0}
     assert result["speedup_vs_plain"]["eagle_chain_S5K1N6@onednn"] == {1: 2.0, 4: 1.5}
-    assert result["adaptive_vs"]["@onednn"] == {1: {"plain": 1.9, "best_fixed": 0.95},
-                                               4: {"plain": 1.425, "best_fixed": 0.95}}
+    assert result["adaptive_vs"]["@onednn"] == {
+        1: {"plain": 1.9, "best_fixed": 0.95, "best_fixed_same_head": 0.95},
+        4: {"plain": 1.425, "best_fixed": 0.95, "best_fixed_same_head": 0.95}}
     assert result["cpu_blas_vs"]["plain: onednn / numpy"] == {1: 1.0, 4: 2.0}
     # adaptive with the EAGLE-3 head, against the same fixed shapes (here plain wins at 4)
     result = {"modes": {"plain": row(10, 40), "eagle3_chain_S5K1N6": row(20, 30),
                         "adaptive_eagle3": row(18, 38)}}
     compare(result)
-    assert result["adaptive_eagle3_vs"] == {1: {"plain": 1.8, "best_fixed": 0.9},
-                                            4: {"plain": 0.95, "best_fixed": 0.95}}
+    assert result["adaptive_eagle3_vs"] == {
+        1: {"plain": 1.8, "best_fixed": 0.9, "best_fixed_same_head": 0.9},
+        4: {"plain": 0.95, "best_fixed": 0.95, "best_fixed_same_head": 0.95}}
     assert "adaptive_vs" not in result
     before = cpu_blas.mode()
     with mode_checks("plain@torch"):
         assert cpu_blas.mode() == "torch"
     assert cpu_blas.mode() == before
+
+
+def test_adaptive_is_compared_with_the_best_fixed_shape_of_its_own_head():
+    """`best_fixed` is the best fixed mode of the run; `best_fixed_same_head` the best among
+    the shapes of the head the adaptive mode drafts with (EAGLE-3 modes for the adaptive_eagle3
+    modes, the others for adaptive), which is what it can choose; the tree-candidate mode is
+    compared too."""
+    from eaglekv.bench.gpu import MODES, compare
+
+    def row(*tps):
+        return {"rows": {4: {"tokens_per_s": tps[0]}}}
+    result = {"modes": {"plain": row(10), "eagle_chain_S5K1N6": row(15),
+                        "eagle3_tree_S6K4N16": row(20), "eagle3_chain_S5K1N6": row(16),
+                        "adaptive": row(14.4), "adaptive_eagle3_trees": row(19)}}
+    compare(result)
+    assert result["adaptive_vs"][4] == pytest.approx(
+        {"plain": 1.44, "best_fixed": 0.72, "best_fixed_same_head": 0.96})
+    assert result["adaptive_eagle3_trees_vs"][4] == pytest.approx(
+        {"plain": 1.9, "best_fixed": 0.95, "best_fixed_same_head": 0.95})
+    assert (6, 4, 16) in MODES["adaptive_eagle3_trees"]["shapes"]
 
 
 def test_checks_are_compared_with_the_unchecked_step():
