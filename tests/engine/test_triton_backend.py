@@ -94,9 +94,11 @@ def test_layer_checks_read_req_to_token_in_every_layer(tiny_dir, reference, monk
     assert {c[1] for c in calls} == {"decode", "extend"}
 
 
-@pytest.mark.parametrize("where", ["slot", "row"])
+@pytest.mark.parametrize("where", ["slot", "row", "length"])
 def test_a_corrupt_entry_is_refused_once_a_forward(tiny_dir, reference, where):
-    """A corrupt req_to_token entry (a slot past the pool) or a corrupt row start read by the
+    """A corrupt req_to_token entry (a slot past the pool), a corrupt row start, or a corrupt
+    key count that would read on into the next request's row (which the per-layer kernels
+    let through: those positions are inside the table and hold good slots) read by the
     once-a-forward check: KVIndexError naming the value at the step's sync, the engine serves
     the next request exactly, the books balance."""
     from eaglekv import KVIndexError
@@ -110,23 +112,29 @@ def test_a_corrupt_entry_is_refused_once_a_forward(tiny_dir, reference, where):
     if where == "slot":
         engine.req_to_token.req_to_token[reqs[1].row, 1] = limit + 7
         match = rf"slot {limit + 7} out of range \[0, {limit}\) in decode_attention "
-    else:   # the batch's row start past the table, through the metadata
+    else:   # through the metadata: the row start past the table, or a key count past the row
         import eaglekv.attention.triton_backend as tb
         real = tb.TritonAttentionBackend.init_forward_metadata
-        n_table = engine.backend.table.numel()
+        n_table, width = engine.backend.table.numel(), engine.backend.width
+        keys = max(r.kv_len for r in reqs) + 1          # the copy's width: the batch's longest
 
         def corrupt(self, batch):
             meta = real(self, batch)
-            meta.kv_start[-1] = n_table + 3
+            if where == "row":
+                meta.kv_start[-1] = n_table + 3
+            else:                       # request 0's row is followed by request 1's
+                meta.kv_len[0] = width + 2
             tb.TritonAttentionBackend.init_forward_metadata = real
             return meta
         tb.TritonAttentionBackend.init_forward_metadata = corrupt
-        match = rf"slot {n_table + 3} out of range \[0, {n_table}\) in decode_attention table"
+        match = (rf"slot {n_table + 3} out of range \[0, {n_table}\) in decode_attention table"
+                 if where == "row" else
+                 rf"slot {width + 2} out of range \[0, {keys + 1}\) in decode_attention key count")
     try:
         with pytest.raises(KVIndexError, match=match):
             engine.step()
     finally:
-        if where == "row":
+        if where != "slot":
             tb.TritonAttentionBackend.init_forward_metadata = real
     assert all(r.finished for r in reqs)
     assert engine.allocator.is_full()
