@@ -219,7 +219,8 @@ class StepResult:
     failed: list[bool]
     kv_advance: list[int] | None = None
     last_slots: list[int] | None = None
-    accepted: list[int | None] | None = None   # None at i: it did not speculate this step
+    # None at i: it did not speculate this step; a list: a chain's steps, one count each
+    accepted: list[int | list[int] | None] | None = None
     draft_tokens: int | list[int] = 0          # per step, or per request (adaptive)
     free_slots: torch.Tensor | None = None
 

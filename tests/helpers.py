@@ -156,3 +156,32 @@ def random_pool(rng: random.Random, B: int, K: int, S: int, coarse: bool = True,
         parents.append(par)
     roots = [rng.randrange(V) for _ in range(B)]
     return toks, scores, parents, roots
+
+
+def make_predictable(engine, o_scale: float = 0.1, hidden_mix: float = 0.005) -> None:
+    """Turn a tiny engine's target into a near-bigram model (every layer's MLP off, attention
+    scaled by `o_scale`) and, if it has an EAGLE-1/2 draft, make the draft predict that
+    target's bigram part exactly (its feature w_norm * embed(token): the same argmax as the
+    target's head on norm(embed(token))). With o_scale 0 every draft is accepted; at 0.1 the
+    attention flips some of them, so accept lengths vary (a random draft accepts none), and
+    the target's tokens still depend on its KV. A plain engine given the same call decodes
+    the same target. `hidden_mix`: the draft's feature also takes a little of its input
+    feature (random weights of that scale), so a stale or wrong feature changes its logits."""
+    m = engine.model
+    for layer in m.layers:
+        layer.o.mul_(o_scale)
+        layer.down.zero_()
+    worker = getattr(engine, "worker", None)
+    if worker is None:
+        return
+    dm = worker.drafter.model
+    H = m.cfg.hidden_size
+    fc = torch.zeros_like(dm.fc)
+    fc[:H] = torch.diag(m.norm.to(fc.dtype))
+    g = torch.Generator().manual_seed(0)
+    fc[H:] = hidden_mix * torch.randn(fc.shape[0] - H, H, generator=g).to(fc.dtype)
+    dm.fc.copy_(fc)
+    if dm.fc_bias is not None:
+        dm.fc_bias.zero_()
+    dm.layer.o.zero_()
+    dm.layer.down.zero_()

@@ -103,6 +103,18 @@ class Req:
         of a batch-64 speculative run appends to 64 requests): the first token that is a
         stop token or reaches max_new_tokens ends it, a stop token winning a tie, as the
         token-by-token loop decides."""
+        end, reason = self._stop_point(tokens)
+        self.output_ids.extend(tokens[:end])
+        if reason is not None:
+            self.finish_reason = reason
+        return end
+
+    def tokens_kept(self, tokens: list[int]) -> int:
+        """How many of `tokens` appending would keep by the stop ids and max_new_tokens (stop
+        strings aside: they need the text), without appending them."""
+        return self._stop_point(tokens)[0]
+
+    def _stop_point(self, tokens: list[int]) -> tuple[int, str | None]:
         p = self.params
         stops = p.stop_token_ids if p.ignore_eos else self.eos_ids.union(p.stop_token_ids)
         end, reason = len(tokens), None
@@ -113,10 +125,7 @@ class Req:
         room = max(p.max_new_tokens - len(self.output_ids), 1)
         if room < end or (room == end and reason is None):
             end, reason = room, "length"
-        self.output_ids.extend(tokens[:end])
-        if reason is not None:
-            self.finish_reason = reason
-        return end
+        return end, reason
 
     def _hit_stop_string(self) -> bool:
         old_len = len(self.text)

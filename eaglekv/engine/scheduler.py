@@ -79,11 +79,22 @@ class Scheduler:
             if result.kv_advance is not None:
                 r.kv_len += result.kv_advance[i]
                 r.last_slot = result.last_slots[i]
+            kept = 0
+            if result.tokens[i] is not None:
+                kept = r.append_tokens(result.tokens[i], result.logprobs[i])
             if result.accepted is not None and result.accepted[i] is not None:
                 dt = result.draft_tokens
-                self._count(r, result.accepted[i], dt[i] if isinstance(dt, list) else dt)
-            if result.tokens[i] is not None:
-                r.append_tokens(result.tokens[i], result.logprobs[i])
+                dt = dt[i] if isinstance(dt, list) else dt
+                acc = result.accepted[i]
+                if isinstance(acc, list):   # a chain of steps: those whose tokens were kept
+                    start = 0
+                    for a in acc:
+                        if start >= kept:
+                            break
+                        self._count(r, a, dt)
+                        start += a + 1
+                else:
+                    self._count(r, acc, dt)
         for r in plan.reqs:
             if r.finished and r in self.running:
                 self.finish(r)

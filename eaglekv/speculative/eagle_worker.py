@@ -41,9 +41,12 @@ class EagleWorker:
 
     separate_decode = True         # speculative steps are planned apart from prefills
 
-    def __init__(self, res: RunnerResources, drafter, spec):
+    def __init__(self, res: RunnerResources, drafter, spec, chain_steps: int = 1):
+        """`chain_steps`: the most greedy steps one engine step replays back to back under
+        the whole-step graphs (`_decode_graph`); 1: one step, one sync."""
         self.res, self.drafter, self.spec = res, drafter, spec
         self.S, self.K, self.N = spec.num_steps, spec.topk, spec.num_draft_tokens
+        self.chain_steps = chain_steps
         self.target = ModelRunner(res)
         self.loop = DraftLoop(drafter, self.S, self.K)
         self.slots = DraftSlots(res, drafter, spec)
@@ -243,22 +246,92 @@ class EagleWorker:
     def _decode_graph(self, reqs, t0) -> StepResult:
         """A greedy step as one replay (speculative/graphs.py): the host takes the draft and
         the verify slots, the graph writes the tables, and the host reads [usable,
-        accept_len, committed...] at the sync."""
+        accept_len, committed...] at the sync. A chain (`chain_len` > 1) replays k steps
+        before that one sync, each with its own verify slots."""
+        k = self.chain_len(reqs)
         dslots, owned = self.slots.alloc_draft(reqs)                              # (B, K, S)
         try:
-            vslots = self.slots.alloc_verify_slots(reqs)                          # (B, N) cpu
+            vslots = (self.slots.alloc_verify_slots(reqs) if k == 1                # (B, N) cpu
+                      else self.slots.alloc_verify_chain(reqs, k))                # (k, B, N)
         except BaseException:
             self.res.allocator.free(torch.cat(owned))
             raise
-        host_t, window = self.step_graphs.run(reqs, dslots, vslots)
+        if k == 1:
+            host_t, window = self.step_graphs.run(reqs, dslots, vslots)
+        else:
+            host_t, window = self.step_graphs.run_chain(reqs, dslots, vslots)
         # the draft slots are the replay's scratch: they go back to the books while the device
         # works (only the host allocates, and not before this step's sync)
         self.res.allocator.free(torch.cat(owned))
         host = host_t.tolist()                                                    # the sync
-        good, acc, toks = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
         self.timings["verify"] += time.perf_counter() - t0    # the whole step, one replay
+        if k > 1:
+            return self._chain_result(reqs, vslots, host, window)
+        good, acc, toks = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
         return self._step_result(reqs, vslots, good, acc, toks, [None] * len(reqs), None,
                                  window)
+
+    def chain_len(self, reqs) -> int:
+        """Steps the next whole-step replay chains (1: no chain): at most `chain_steps`; at
+        most what keeps every request inside the positions one step may reach at the end of
+        its budget (each step commits 1 to S + 1 tokens, so step j starts at most j * (S + 1)
+        past the first: (k - 1) * (S + 1) <= tokens left - 1); and at most what the pool's
+        free slots hold (the draft's K * S scratch once, N verify slots a step: a chain never
+        preempts). A request that stops early inside a chain (EOS, a stop id) runs on to the
+        chain's end within those bounds; its extra tokens are dropped by the stop rules."""
+        k = self.chain_steps
+        if k <= 1:
+            return 1
+        S1, n = self.S + 1, len(reqs)
+        for r in reqs:
+            k = min(k, (r.params.max_new_tokens - len(r.output_ids) - 1) // S1 + 1)
+        free = self.res.allocator.available_slots() - n * self.K * self.S
+        return max(1, min(k, free // (n * self.N)))
+
+    def _chain_result(self, reqs, vchain, host, window) -> StepResult:
+        """A chain's StepResult: per request the tokens of its steps in order, up to a step
+        whose logits were unusable (it then fails after the tokens before it, as a decode
+        chain's request does, and every verify slot of its chain goes back); `accepted` is
+        the list of its steps' accept lengths (the scheduler counts those whose tokens it
+        keeps). The accepted slots of each step stay (positions L_j .. L_j + a_j), the rest
+        go back."""
+        k, B, N = vchain.shape
+        result = StepResult(tokens=[None] * B, logprobs=[None] * B, failed=[False] * B,
+                            kv_advance=[0] * B, last_slots=[-1] * B, accepted=[None] * B,
+                            draft_tokens=N - 1)
+        vc = vchain.numpy()
+        keep = np.zeros((k, B, N), dtype=bool)
+        counted = []
+        for b, r in enumerate(reqs):
+            toks, accs = [], []
+            for j in range(k):
+                ok, a, *committed = host[j][b]
+                if not ok:
+                    break
+                toks += committed[:a + 1]
+                accs.append(a)
+            result.tokens[b] = toks or None
+            if len(accs) < k:       # fails alone after its good steps; nothing is committed
+                result.failed[b] = True
+                continue
+            for j, a in enumerate(accs):
+                keep[j, b, :a + 1] = True
+            result.kv_advance[b] = len(toks)
+            result.last_slots[b] = int(vc[k - 1, b, accs[-1]])
+            result.accepted[b] = accs
+            # engine-wide counts: the steps whose tokens the stop rules keep
+            kept, start = r.tokens_kept(toks), 0
+            for a in accs:
+                if start >= kept:
+                    break
+                counted.append(a)
+                start += a + 1
+        result.free_slots = torch.from_numpy(vc[~keep])
+        self._count(counted)
+        for b, r in enumerate(reqs):
+            if not result.failed[b]:
+                r.draft_state = RootRow(window, b)
+        return result
 
     def _step_result(self, reqs, vslots, good, acc, toks, lps, hid, window) -> StepResult:
         """After the sync: the rejected tail goes back, a failed request commits nothing; the

@@ -112,7 +112,7 @@ def _multi_layer_drafter(res, spec, ckpt):
 class Family:
     load: Callable          # (spec, target ModelConfig, seed) -> DraftCheckpoint
     drafter: Callable       # (RunnerResources, spec, DraftCheckpoint) -> Drafter
-    runner: type            # (RunnerResources, drafter, spec) -> runner
+    runner: type            # (RunnerResources, drafter, spec, chain_steps) -> runner
 
 
 FAMILIES = {"eagle": Family(_load_eagle, _eagle_drafter, EagleWorker),
@@ -132,14 +132,22 @@ def build_runner(res: RunnerResources, spec: SpecConfig, ckpt: DraftCheckpoint |
                  drafter=None, decode_steps: int = 1):
     """The family's runner over `res`; `drafter` overrides the checkpoint's (tests).
     `decode_steps` (EngineConfig.num_scheduler_steps): adaptive's all-plain steps decode
-    chains of up to that many tokens, as the plain runner does."""
+    chains of up to that many tokens, as the plain runner does; a fixed shape's greedy
+    whole-step replays chain `spec_chain_steps` steps, about as many tokens."""
     family = FAMILIES[spec.algorithm]
     if drafter is None:
         drafter = family.drafter(res, spec, ckpt)
     if spec.adaptive:   # plain or one of the candidate shapes, chosen each step
         from eaglekv.speculative.adaptive_worker import AdaptiveWorker
         return AdaptiveWorker(res, drafter, spec, decode_steps=decode_steps)
-    return family.runner(res, drafter, spec)
+    return family.runner(res, drafter, spec, spec_chain_steps(decode_steps, spec.num_steps))
+
+
+def spec_chain_steps(decode_steps: int, num_steps: int) -> int:
+    """Speculative steps a greedy engine step chains: a chain of `decode_steps` plain tokens
+    covers about ceil(decode_steps / (num_steps + 1)) speculative steps at full acceptance
+    (32 tokens, S = 5: 6 steps); 1 where plain decoding does not chain (CPU)."""
+    return max(1, -(-decode_steps // (num_steps + 1)))
 
 
 def draft_bytes_per_slot(ckpt: DraftCheckpoint | None, dtype: torch.dtype) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from eaglekv.attention.triton_backend import TritonAttnMetadata
+from eaglekv.errors import KVIndexError
 from eaglekv.cuda_graph import CapturedForwards
 from eaglekv.kernels.greedy import greedy_pick
 from eaglekv.kernels.guard import guard_indices, guard_path
@@ -66,6 +67,8 @@ class SpecStepGraphs(CapturedForwards):
         # the batch's committed lengths summed on the host (guard 2's fit, checked in `run`
         # before the replay; 0 while capturing: every row is padding then)
         self.lens_sum = 0
+        self.chain = None         # run_chain's buffers, made on its first use
+        self.chains = 0           # chains run (each of 2+ replays)
         self.capture_all(progress)
 
     def _views(self, b: int, x) -> list:
@@ -118,15 +121,15 @@ class SpecStepGraphs(CapturedForwards):
         host = torch.cat([ok[:, None].long(), vr.accept_len[:, None], committed], 1)
         return host, window
 
-    def run(self, reqs, dslots: torch.Tensor, vslots: torch.Tensor):
-        """One greedy step of the n requests `reqs` (draft slots (n, K, S) and verify slots
-        (n, N) allocated, on the host) -> (host (n, S + 3) int64, DraftOut of the next roots),
-        views of the graph's buffers valid until the next replay."""
+    def _fill(self, reqs, dslots: torch.Tensor, vslots: torch.Tensor, reach: int) -> int:
+        """Pack the n requests' inputs (draft slots (n, K, S), the first step's verify slots
+        (n, N), on the host) into the static buffers; guard 2 checked for their committed
+        lengths plus `reach` tokens each. -> the bucket."""
         n = len(reqs)
         b = self.bucket(n)
         lens = [r.kv_len for r in reqs]
         self.lens_sum = sum(lens)
-        self.worker.slots.check_fit(self.lens_sum, b)      # guard 2, padded rows included
+        self.worker.slots.check_fit(self.lens_sum + n * reach, b)   # guard 2, padded rows in
         h = self.host_np
         h[:] = 0                                           # padded rows: row 0, slot 0, dead
         L, rows, root, live, ds, vs = self._views(b, h)
@@ -137,5 +140,63 @@ class SpecStepGraphs(CapturedForwards):
         self.inputs.copy_(self.host, non_blocking=True)
         stack_roots(reqs, 0, self.root_logits[:n])
         stack_roots(reqs, 1, self.root_hidden[:n])
-        host, window = self._replay(b)
+        return b
+
+    def run(self, reqs, dslots: torch.Tensor, vslots: torch.Tensor):
+        """One greedy step of the n requests `reqs` (draft slots (n, K, S) and verify slots
+        (n, N) allocated, on the host) -> (host (n, S + 3) int64, DraftOut of the next roots),
+        views of the graph's buffers valid until the next replay."""
+        n = len(reqs)
+        host, window = self._replay(self._fill(reqs, dslots, vslots, 0))
         return host[:n], DraftOut(window.logits[:n], window.hidden[:n])
+
+    def run_chain(self, reqs, dslots: torch.Tensor, vchain: torch.Tensor):
+        """k greedy steps of the n requests back to back, no host work between them (the
+        speculative form of `DecodeGraphs.replay_chain`): step j + 1's inputs are made from
+        step j's outputs on the device (committed length + accept_len + 1, the root token
+        committed[accept_len], the window's draft roots), its verify slots are `vchain[j + 1]`
+        and the draft slots are the same scratch every step. `vchain` (k, n, N) host slots,
+        each step's own; every slot the chain writes is range-checked here on the host before
+        the first replay (the in-graph guards name a bad slot from the static buffer, which
+        after a chain holds the last step's only). The caller bounds k so that no request's
+        positions pass what one step may reach at its budget's end (EagleWorker.chain_len).
+        -> (host (k, n, S + 3) int64 per step, DraftOut of the last step's next roots), on the
+        device, read at the step's one sync."""
+        k, n, N = vchain.shape
+        S = self.worker.S
+        limit = self.worker.res.kv_pool.size_limit
+        for name, s in (("spec chain verify out_cache_loc", vchain),
+                        ("spec chain draft out_cache_loc", dslots)):
+            bad = (s < 0) | (s >= limit)
+            if bool(bad.any()):
+                raise KVIndexError(name, int(s[bad][0]), limit, int(bad.sum()), s.numel())
+        b = self._fill(reqs, dslots, vchain[0], (k - 1) * (S + 1))
+        self.chains += 1
+        if self.chain is None or self.chain[0].shape[0] < k:
+            n_max, dev = self.buckets[-1], self.inputs.device
+            host = torch.zeros(k, n_max * N, dtype=torch.int64)
+            self.chain = (host.pin_memory() if self.capture else host,
+                          torch.zeros(k, n_max * N, dtype=torch.int64, device=dev),
+                          torch.zeros(k, n_max, S + 3, dtype=torch.int64, device=dev))
+        host, vdev, out = (x[:k] for x in self.chain)
+        host[:, :b * N] = 0                                # padded rows: slot 0
+        host[:, :n * N] = vchain.reshape(k, n * N)
+        vdev.copy_(host, non_blocking=True)
+        L, _, root, live, _, vs = self._views(b, self.inputs)
+        vs = vs.view(-1)
+        window = None
+        for j in range(k):
+            if j:                 # step j's inputs from step j - 1's outputs, on the device
+                prev = out[j - 1, :b]
+                acc = prev[:, 1]
+                root.copy_(prev[:, 2:].gather(1, acc[:, None]).view(-1))
+                L.add_((acc + 1) * live)              # padded rows stay at length 0
+                vs.copy_(vdev[j, :b * N])
+                self.root_logits[:b].copy_(window.logits)
+                self.root_hidden[:b].copy_(window.hidden)
+                # guard 2 was checked for the whole chain above; an eager replay
+                # (capture=False) sums the device lengths itself from here on
+                self.lens_sum = None
+            step, window = self._replay(b)
+            out[j, :b].copy_(step)
+        return out[:, :n], DraftOut(window.logits[:n], window.hidden[:n])

@@ -94,9 +94,9 @@ class MultiLayerEagleDraftWorker(Drafter):
 
 
 class MultiLayerEagleWorker(EagleWorker):
-    def __init__(self, res, drafter, spec):
+    def __init__(self, res, drafter, spec, chain_steps: int = 1):
         check_chain_config(spec, "MultiLayerEagleWorker")         # before any buffer exists
-        super().__init__(res, drafter, spec)
+        super().__init__(res, drafter, spec, chain_steps)
 
     def _extend_window(self, reqs, res, committed, feats, vslots, seq_lens):
         if not hasattr(self.drafter, "extend_window"):  # e.g. a scripted drafter: after the sync

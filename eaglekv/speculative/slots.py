@@ -178,6 +178,12 @@ class DraftSlots:
             return alloc.alloc_rows(len(reqs), N)
         return torch.stack([alloc.alloc(N, r.kv_len, r.last_slot) for r in reqs])  # (B, N)
 
+    def alloc_verify_chain(self, reqs, k: int) -> torch.Tensor:
+        """Page size 1: (k, B, N) cpu slots, step j's verify window of each request (a chain
+        of whole-step replays, `SpecStepGraphs.run_chain`), all or nothing."""
+        B, N = len(reqs), self.N
+        return self.res.allocator.alloc_rows(B, k * N).view(B, k, N).transpose(0, 1).contiguous()
+
     def write_verify_table(self, rows: torch.Tensor, seq_lens: torch.Tensor,
                            vslots: torch.Tensor) -> None:
         """req_to_token[row_b, L_b + j] = vslots[b, j] (device tensors; no host read). A

@@ -24,6 +24,9 @@ input buffers right before the replay (`_replay`), which the graph reads:
     store_cache          request 0's write slot: DecodeGraphs `dev[3, 0]` (a decode chain:
                          its host slot block, which the chain checks on the host),
                          VerifyGraphs `out_cache_loc[0]`, SpecStepGraphs verify slot (0, 0)
+                         (a speculative chain: its host block of every step's verify slots,
+                         checked on the host; a padded row's or a draft slot is written
+                         before the chain's last replay)
     draft_out_cache_loc  SpecStepGraphs draft slot (0, 0, 0)
     graph_padded_rows    a padded row's write slot in any of the three
     tree_retrieve        inside SpecStepGraphs the accepted path is a value the graph computes:
@@ -121,15 +124,23 @@ def _corrupt_graphs(engine, f: Fault, which: str, value, undo: list) -> None:
     `which` of its static inputs (one-shot, shared with the eager hook through f.fired). A
     decode chain (DecodeGraphs.replay_chain) takes it in its host slot block instead: the
     chain's device buffer holds only its last step's slots at the sync, so the chain checks
-    its whole block on the host, and that check is the guard a corrupt chain slot meets."""
+    its whole block on the host, and that check is the guard a corrupt chain slot meets. A
+    speculative chain (SpecStepGraphs.run_chain) likewise takes a real verify slot in its host
+    block (vchain); a padded row's or a draft slot goes into the static inputs before the
+    chain's last replay (earlier replays' verify regions are overwritten by the next step's)."""
     for kind, g in graph_objects(engine).items():
         if which == "draft" and kind != "spec_step":
             continue
-        chain = []
+        chain = []            # decode: inside a chain; spec_step: replays left in the chain
 
         def make(orig, kind=kind, g=g, chain=chain):
             def _replay(b):
-                at = None if f.fired or chain else _write_slot(kind, g, b, which)
+                if kind == "spec_step" and chain:
+                    chain[0] -= 1
+                    late = which != "real" and chain[0] == 0
+                    at = _write_slot(kind, g, b, which) if late and not f.fired else None
+                else:
+                    at = None if f.fired or chain else _write_slot(kind, g, b, which)
                 if at is not None:
                     at[0][at[1]] = value()
                 return orig(b)
@@ -148,6 +159,19 @@ def _corrupt_graphs(engine, f: Fault, which: str, value, undo: list) -> None:
                         chain.pop()
                 return replay_chain
             _wrap(g, "replay_chain", make_chain, undo)
+        if kind == "spec_step":
+            def make_spec_chain(orig, chain=chain):
+                def run_chain(reqs, dslots, vchain):
+                    if which == "real" and not f.fired:
+                        vchain = vchain.clone()
+                        vchain[0, 0, 0] = value()
+                    chain[:] = [vchain.shape[0]]
+                    try:
+                        return orig(reqs, dslots, vchain)
+                    finally:
+                        chain.clear()
+                return run_chain
+            _wrap(g, "run_chain", make_spec_chain, undo)
 
 
 _SEAM: dict = {}     # device -> int64 [on, value]: graph_seams' control of the accepted path

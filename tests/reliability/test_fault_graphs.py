@@ -49,7 +49,10 @@ CONFIGS = {
     "decode_chain": ({"attention_backend": "triton", "num_scheduler_steps": 4}, "decode"),
     "verify_graph": ({"attention_backend": "triton", "page_size": 4,
                       "speculative": spec("eagle", 3, 2, 5)}, "verify"),
-    "spec_step_graph": ({"attention_backend": "triton",
+    "spec_step_graph": ({"attention_backend": "triton", "num_scheduler_steps": 1,
+                         "speculative": spec("eagle", 3, 2, 5)}, "spec_step"),
+    # chains of 2 whole-step replays (spec_chain_steps(8, 3)), one sync
+    "spec_step_chain": ({"attention_backend": "triton", "num_scheduler_steps": 8,
                          "speculative": spec("eagle", 3, 2, 5)}, "spec_step"),
 }
 PATHS = {
@@ -57,6 +60,8 @@ PATHS = {
     "decode_chain": ["store_cache"],
     "verify_graph": ["store_cache", "graph_padded_rows"],
     "spec_step_graph": ["store_cache", "draft_out_cache_loc", "graph_padded_rows",
+                        "tree_retrieve"],
+    "spec_step_chain": ["store_cache", "draft_out_cache_loc", "graph_padded_rows",
                         "tree_retrieve"],
 }
 CASES = [(c, p, k) for c in CONFIGS for p in PATHS[c] for k in KINDS]
@@ -115,12 +120,15 @@ def gpu_engines(tiny_dir, canaries):
 def _check(engines, refs, config, path, kind):
     eng = engines(config)
     before = {k: g.replays for k, g in graph_objects(eng).items()}
+    chains = getattr(graph_objects(eng).get("spec_step"), "chains", 0)
     outcome = run_case(eng, path, kind, PROMPTS, refs[:-1], NEXT, refs[-1], SP)
     outcome.config = config
     replayed = {k for k, g in graph_objects(eng).items() if g.replays > before[k]}
     if not outcome.serving:          # the next case on this configuration starts afresh
         engines.made.pop(config)
     assert replayed, f"{config}: no graph replayed"
+    if config == "spec_step_chain":   # the faulty step (at least) ran as a chain
+        assert graph_objects(eng)["spec_step"].chains > chains
     assert outcome.ok, outcome.as_dict()
     return outcome
 
@@ -151,6 +159,6 @@ def test_graph_fault_gpu(request, gpu_engines, refs, config, path, kind):
 def test_graph_objects_found(tiny_dir):
     """The hooks find each kind of graph object on the engine they are built on."""
     for config, (_, kind) in CONFIGS.items():
-        if config == "decode_chain":
+        if config in ("decode_chain", "spec_step_chain"):
             continue
         assert kind in graph_objects(build(tiny_dir, config, "cpu"))

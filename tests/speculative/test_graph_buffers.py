@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from eaglekv import SamplingParams  # noqa: E402
 from eaglekv.cuda_graph import DecodeGraphs, VerifyGraphs  # noqa: E402
 from eaglekv.speculative.graphs import SpecStepGraphs  # noqa: E402
-from helpers import spec, tiny_engine  # noqa: E402
+from helpers import make_predictable, spec, tiny_engine  # noqa: E402
 
 SP = SamplingParams(max_new_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 17, 42], list(range(1, 12)), [9] * 7]
@@ -102,3 +102,66 @@ def test_sampled_step_replays_only_the_verify(tiny_dir):
         engine.check_memory()
     assert outs[0] == outs[1]
     assert w.step_graphs.replays == 0 and w.verify_graphs.replays > 0
+
+
+def _chain_engine(tiny_dir, S, K, N, chain):
+    engine = tiny_engine(tiny_dir, max_running_requests=4, attention_backend="triton",
+                         max_context_len=64, speculative=spec("eagle", S, K, N))
+    make_predictable(engine)
+    w = engine.runner
+    w.slots.hold_both = True
+    w.step_graphs = SpecStepGraphs(w, 4, progress=False, capture=False)
+    w.chain_steps = chain
+    return engine
+
+
+@pytest.mark.parametrize("S,K,N", [(3, 1, 4), (2, 2, 4)])
+def test_spec_step_chain_buffers(tiny_dir, S, K, N):
+    """Chains of whole-step replays (`SpecStepGraphs.run_chain`: one sync for k steps, step
+    j + 1's inputs made from step j's outputs on the device) give plain decoding's tokens and
+    the same accept lengths step for step as one step a sync (per request and engine-wide,
+    a request's steps counted up to its stop), books balanced after every engine step. The
+    draft predicts the target's bigram part (`make_predictable`), so accept lengths vary
+    from 0 to S; budgets of 20, 14 and 17 tokens bound the chains near their ends
+    (`chain_len`), and a stop id ends one request inside a chain. After every engine step
+    each request's draft root (logits and feature) equals the one-step run's at the same
+    committed length."""
+    plain = tiny_engine(tiny_dir, max_running_requests=4)
+    make_predictable(plain)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (20, 14, 17)]
+    reference = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    # the second request stops at its 9th token's id (a stop inside a chain)
+    params[1] = SamplingParams(max_new_tokens=14, ignore_eos=True,
+                               stop_token_ids=(reference[1][8],))
+    reference[1] = reference[1][:reference[1].index(reference[1][8]) + 1]
+    runs = []
+    for chain in (1, 3):
+        engine = _chain_engine(tiny_dir, S, K, N, chain)
+        w = engine.runner
+        lens = []
+        orig = w.chain_len
+        w.chain_len = lambda reqs: lens.append(orig(reqs)) or lens[-1]  # noqa: B023
+        reqs = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+        roots = {}
+        while engine.has_unfinished():
+            engine.step()
+            engine.check_memory()
+            for i, r in enumerate(reqs):
+                if not r.finished and r.draft_state is not None:
+                    roots[i, r.kv_len] = (r.draft_state[0].clone(), r.draft_state[1].clone())
+        if chain == 1:
+            one_roots = roots
+        else:
+            assert len(roots) >= 4 and roots.keys() <= one_roots.keys()
+            for key, (logits, hidden) in roots.items():
+                torch.testing.assert_close(logits, one_roots[key][0], rtol=0, atol=0)
+                torch.testing.assert_close(hidden, one_roots[key][1], rtol=0, atol=0)
+        assert [r.output_ids for r in reqs] == reference
+        assert engine.allocator.is_full()
+        runs.append((lens, [(r.spec_stats.verify_steps, r.spec_stats.accepted_tokens,
+                             r.spec_stats.accept_histogram) for r in reqs],
+                     (w.stats.verify_steps, w.stats.accepted_tokens, w.stats.accept_histogram)))
+    (one, per_req1, eng1), (chained, per_req3, eng3) = runs
+    assert set(one) == {1} and max(chained) == 3 and len(chained) < len(one)
+    assert per_req3 == per_req1 and eng3 == eng1
+    assert len(eng1[2]) >= 3            # accept lengths vary: the commit paths all ran
