@@ -1,5 +1,6 @@
-"""Req.append_tokens' list fast path (no stop strings, no logprobs) against the token-by-token
-loop it replaces, over random token runs, stop sets, limits and lengths so far."""
+"""Req.append_tokens' list fast path (no stop strings, no logprobs) and Req.tokens_kept (the
+same count without appending) against the token-by-token loop, over random token runs, stop
+sets, limits and lengths so far."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ def req(params: SamplingParams, done: list[int]) -> Req:
 def test_fast_path_equals_the_token_loop(tokens, done, max_new, stop_ids, ignore_eos):
     p = SamplingParams(max_new_tokens=max_new, stop_token_ids=stop_ids, ignore_eos=ignore_eos)
     fast, loop = req(p, done), req(p, done)
+    ahead = fast.tokens_kept(tokens)     # what a chain's stats count, nothing appended
+    assert fast.output_ids == list(done) and fast.finish_reason is None
     kept = fast.append_tokens(tokens)
     want = loop.append_tokens(tokens, [None] * len(tokens))     # logprobs: the loop
-    assert kept == want
+    assert kept == want == ahead
     assert fast.output_ids == loop.output_ids
     assert fast.finish_reason == loop.finish_reason

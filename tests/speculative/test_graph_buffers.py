@@ -65,25 +65,6 @@ def test_decode_buffers(tiny_dir, reference):
     engine.check_memory()
 
 
-@pytest.mark.parametrize("S,K,N", [(3, 1, 4), (3, 2, 5)])
-def test_spec_step_buffers(tiny_dir, reference, S, K, N):
-    """A greedy speculative step through SpecStepGraphs' buffers: 3 requests in the 4-row
-    bucket, then 2 in the 2-row one as requests finish; the same tokens as plain decoding."""
-    engine = tiny_engine(tiny_dir, max_running_requests=4, attention_backend="triton",
-                         max_context_len=64, speculative=spec("eagle", S, K, N))
-    w = engine.runner
-    assert w.draft_graphable(w.drafter)
-    w.slots.hold_both = True
-    w.step_graphs = SpecStepGraphs(w, 4, progress=False, capture=False)
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 3, 6)]
-    outs = engine.generate(PROMPTS, params)
-    assert [o.token_ids for o in outs] == [r[:p.max_new_tokens]
-                                           for r, p in zip(reference, params)]
-    assert w.step_graphs.replays > 0
-    engine.check_memory()
-    assert engine.allocator.is_full()
-
-
 def test_sampled_step_replays_only_the_verify(tiny_dir):
     """A sampled batch drafts eagerly (each request's own generator) and verifies through
     VerifyGraphs' buffers: the same seeded tokens as with no graph objects at all."""
@@ -122,18 +103,18 @@ def test_spec_step_chain_buffers(tiny_dir, S, K, N):
     the same accept lengths step for step as one step a sync (per request and engine-wide,
     a request's steps counted up to its stop), books balanced after every engine step. The
     draft predicts the target's bigram part (`make_predictable`), so accept lengths vary
-    from 0 to S; budgets of 20, 14 and 17 tokens bound the chains near their ends
+    from 0 to S; budgets of 14, 10 and 12 tokens bound the chains near their ends
     (`chain_len`), and a stop id ends one request inside a chain. After every engine step
     each request's draft root (logits and feature) equals the one-step run's at the same
     committed length."""
     plain = tiny_engine(tiny_dir, max_running_requests=4)
     make_predictable(plain)
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (20, 14, 17)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 10, 12)]
     reference = [o.token_ids for o in plain.generate(PROMPTS, params)]
-    # the second request stops at its 9th token's id (a stop inside a chain)
-    params[1] = SamplingParams(max_new_tokens=14, ignore_eos=True,
-                               stop_token_ids=(reference[1][8],))
-    reference[1] = reference[1][:reference[1].index(reference[1][8]) + 1]
+    # the second request stops at its 8th token's id (a stop inside a chain)
+    params[1] = SamplingParams(max_new_tokens=10, ignore_eos=True,
+                               stop_token_ids=(reference[1][7],))
+    reference[1] = reference[1][:reference[1].index(reference[1][7]) + 1]
     runs = []
     for chain in (1, 3):
         engine = _chain_engine(tiny_dir, S, K, N, chain)
@@ -165,3 +146,60 @@ def test_spec_step_chain_buffers(tiny_dir, S, K, N):
     assert set(one) == {1} and max(chained) == 3 and len(chained) < len(one)
     assert per_req3 == per_req1 and eng3 == eng1
     assert len(eng1[2]) >= 3            # accept lengths vary: the commit paths all ran
+
+
+def test_spec_chain_bad_step_and_short_pool(tiny_dir):
+    """Request 1's verify logits turn unusable at the 2nd step of a chain: it fails alone
+    with the tokens of its steps before, every verify slot of its chain goes back, the others
+    decode plain decoding's tokens. Then a pool too small for whole chains: `chain_len` takes
+    what the free slots hold (a chain never preempts), same tokens, books balanced."""
+    plain = tiny_engine(tiny_dir, max_running_requests=4)
+    make_predictable(plain)
+    sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    reference = [o.token_ids for o in plain.generate(PROMPTS, sp)]
+    engine = _chain_engine(tiny_dir, 3, 1, 4, 3)
+    g = engine.runner.step_graphs
+    forward, calls = g._forward, []
+
+    def poisoned(b):
+        host, window = forward(b)
+        calls.append(b)
+        if len(calls) == 2:
+            host[1, 0] = 0                       # "not usable" for row 1, chain step 2
+        return host, window
+    g._forward = poisoned
+    reqs = [engine.add_request(p, sp) for p in PROMPTS]
+    while not calls:                             # the prefill, then the first chain
+        engine.step()
+        engine.check_memory()
+    assert g.chains == 1 and len(calls) == 3
+    assert reqs[1].finish_reason == "error"
+    made = len(reqs[1].output_ids)               # the prefill's token + the first step's
+    assert 2 <= made <= 1 + 4 and reqs[1].output_ids == reference[1][:made]
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_memory()
+    assert [reqs[0].output_ids, reqs[2].output_ids] == [reference[0], reference[2]]
+    assert engine.allocator.is_full()
+
+    engine = tiny_engine(tiny_dir, max_running_requests=3, attention_backend="triton",
+                         max_context_len=64, max_total_tokens=72,
+                         speculative=spec("eagle", 3, 1, 4))
+    make_predictable(engine)
+    w = engine.runner
+    w.slots.hold_both = True
+    w.step_graphs = SpecStepGraphs(w, 3, progress=False, capture=False)
+    w.chain_steps = 3
+    lens = []
+    orig = w.chain_len
+    w.chain_len = lambda reqs: lens.append(
+        (orig(reqs), len(reqs), engine.allocator.available_slots())) or lens[-1][0]
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    reqs = [engine.add_request(p, sp) for p in PROMPTS]
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_memory()
+    assert [r.output_ids for r in reqs] == [o.token_ids for o in plain.generate(PROMPTS, sp)]
+    assert engine.allocator.is_full()
+    # at least one chain was cut by the free slots alone (budget room for 3 steps)
+    assert any(k < 3 and (free - n * 3) // (n * 4) == k for k, n, free in lens)
