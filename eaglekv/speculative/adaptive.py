@@ -468,6 +468,15 @@ class AdaptivePolicy:
             self._hold(key, best)
         return self._chosen(self._refresh(B, best) or best)
 
+    def held_steps(self) -> int:
+        """Steps the choice just made is held beyond this one (the same batch, a sure choice:
+        `_hold`): a worker may run them now, chained before one sync (`consume_held`)."""
+        return self._spec_left if self._spec_key is not None else 0
+
+    def consume_held(self, n: int) -> None:
+        """`n` held steps ran chained with the step just chosen: they are not chosen again."""
+        self._spec_left = max(0, self._spec_left - n)
+
     def _hold(self, key, c: Choice) -> Choice:
         """A speculative choice of the whole batch, made without the optimism and not an
         exploration: kept for the next `hold_spec` steps of the same batch (`key`)."""

@@ -45,7 +45,7 @@ from eaglekv.model import cpu_blas
 from eaglekv.runner import ModelRunner, guarded
 from eaglekv.speculative.adaptive import (CATCHUP, CHAIN, PLAIN, AdaptivePolicy, CostTable,
                                           Shape, cost_cache_path)
-from eaglekv.speculative.eagle_worker import EagleWorker
+from eaglekv.speculative.eagle_worker import EagleWorker, spec_chain_steps
 
 
 @dataclass
@@ -68,7 +68,9 @@ class AdaptiveWorker:
         self.res, self.drafter, self.spec = res, drafter, spec
         self.decode_steps = decode_steps
         shapes = [Shape(*s) for s in spec.candidate_shapes(res.device.type)]
-        self.workers = {s: EagleWorker(res, drafter, spec.fixed(s.S, s.K, s.N)) for s in shapes}
+        # each shape's greedy whole-step replays may chain a held choice's steps (`decode`)
+        self.workers = {s: EagleWorker(res, drafter, spec.fixed(s.S, s.K, s.N),
+                                       spec_chain_steps(decode_steps, s.S)) for s in shapes}
         self.first = self.workers[shapes[0]]
         mc = res.model.cfg
         width = mc.hidden_size * max(1, len(drafter.capture_layers))
@@ -86,6 +88,11 @@ class AdaptiveWorker:
             costs = CostTable(cost_cache_path(self.identity()),
                               drop_first=res.device.type == "cuda")
         self.policy = AdaptivePolicy(shapes, costs)
+        # where the shapes' steps chain (CUDA graphs), a sure choice holds as many steps as
+        # the shortest chain takes, so the held steps run as one chain
+        chains = min(w.chain_steps for w in self.workers.values())
+        if chains > 1:
+            self.policy.hold_spec = max(self.policy.hold_spec, chains - 1)
         self._pages_key, self._pages = None, 0
         self.reset_stats()
 
@@ -182,8 +189,9 @@ class AdaptiveWorker:
             res.draft_tokens = [0] * B
             return res
         self._pending = []
-        if not choice.plain:           # the whole batch speculates: the worker's result as is
-            return self._speculate(reqs, choice.shape)
+        if not choice.plain:           # the whole batch speculates: the worker's result as is;
+            # a held choice's next steps (the policy's) run now, chained before one sync
+            return self._speculate(reqs, choice.shape, 1 + self.policy.held_steps())
         out = StepResult(tokens=[None] * B, logprobs=[None] * B, failed=[False] * B,
                          kv_advance=[0] * B, last_slots=[-1] * B, accepted=[None] * B,
                          draft_tokens=[0] * B)
@@ -212,18 +220,27 @@ class AdaptiveWorker:
         out.free_slots = torch.cat(free) if free else None
         return out
 
-    def _speculate(self, sub, shape) -> StepResult:
+    def _speculate(self, sub, shape, max_chain: int = 1) -> StepResult:
         """The speculative part of a step: the draft catches up on what `sub` decoded plainly,
-        then one step of `shape`'s worker; its parts timed and its acceptance observed."""
+        then one step of `shape`'s worker, or a chain of up to `max_chain` (the worker's
+        `chain_len` decides); its parts timed (a chain's seconds per step) and its
+        acceptance observed step by step, as if the steps had run one by one."""
         t = time.perf_counter()
         lag = self._catch_up(sub)
         if lag:         # (requests, tokens each): charged to the plain steps behind it
             self._pending.append((CATCHUP, lag[0], time.perf_counter() - t, lag[1]))
         t = time.perf_counter()
-        res = self.workers[shape].decode(sub)
-        self._pending.append((shape.label, len(sub), time.perf_counter() - t, 1))
-        self.policy.observe_spec(sub, shape, [None if f else a
-                                              for f, a in zip(res.failed, res.accepted)])
+        res = self.workers[shape].decode(sub, max_chain)
+        acc = [None if f else a for f, a in zip(res.failed, res.accepted)]
+        steps = [a for a in acc if isinstance(a, list)]
+        k = len(steps[0]) if steps else 1
+        self._pending.append((shape.label, len(sub), time.perf_counter() - t, k))
+        if not steps:
+            self.policy.observe_spec(sub, shape, acc)
+            return res
+        self.policy.consume_held(k - 1)
+        for j in range(k):
+            self.policy.observe_spec(sub, shape, [None if a is None else a[j] for a in acc])
         return res
 
     # ---- what a step cost ----------------------------------------------------------------------

@@ -33,6 +33,13 @@ from eaglekv.speculative.slots import DraftSlots
 from eaglekv.speculative.tree import build_tree, organize
 
 
+def spec_chain_steps(decode_steps: int, num_steps: int) -> int:
+    """Speculative steps a greedy engine step chains: a chain of `decode_steps` plain tokens
+    covers about ceil(decode_steps / (num_steps + 1)) speculative steps at full acceptance
+    (32 tokens, S = 5: 6 steps); 1 where plain decoding does not chain (CPU)."""
+    return max(1, -(-decode_steps // (num_steps + 1)))
+
+
 class EagleWorker:
     """The speculative runner: `run(plan) -> StepResult` like ModelRunner, whose instance it
     holds for its target (`self.target`). Its per-request state is the draft's distribution
@@ -158,13 +165,15 @@ class EagleWorker:
         self.timings["extend"] += time.perf_counter() - t0
 
     # ---- decode ---------------------------------------------------------------------------------
-    def decode(self, reqs) -> StepResult:
+    def decode(self, reqs, max_chain: int | None = None) -> StepResult:
+        """One speculative step of `reqs`, or a chain of greedy whole-step replays of at most
+        `max_chain` steps (None: `chain_steps`; see `chain_len`)."""
         S, N = self.S, self.N
         dev = self.res.device
         B = len(reqs)
         t0 = time.perf_counter()
         if self._step_graph_fits(reqs):
-            return self._decode_graph(reqs, t0)
+            return self._decode_graph(reqs, t0, max_chain)
         seq_lens = torch.tensor([r.kv_len for r in reqs], device=dev)              # (B,)
         rows = torch.tensor([r.row for r in reqs], device=dev)                     # (B,)
         # 1. draft: slots, req_to_token entries and kv indices, then the select steps
@@ -243,12 +252,12 @@ class EagleWorker:
                 and all(r.params.greedy and not r.params.has_penalties
                         and r.params.logprobs is None for r in reqs))
 
-    def _decode_graph(self, reqs, t0) -> StepResult:
+    def _decode_graph(self, reqs, t0, max_chain: int | None = None) -> StepResult:
         """A greedy step as one replay (speculative/graphs.py): the host takes the draft and
         the verify slots, the graph writes the tables, and the host reads [usable,
         accept_len, committed...] at the sync. A chain (`chain_len` > 1) replays k steps
         before that one sync, each with its own verify slots."""
-        k = self.chain_len(reqs)
+        k = self.chain_len(reqs, max_chain)
         dslots, owned = self.slots.alloc_draft(reqs)                              # (B, K, S)
         try:
             vslots = (self.slots.alloc_verify_slots(reqs) if k == 1                # (B, N) cpu
@@ -271,15 +280,16 @@ class EagleWorker:
         return self._step_result(reqs, vslots, good, acc, toks, [None] * len(reqs), None,
                                  window)
 
-    def chain_len(self, reqs) -> int:
-        """Steps the next whole-step replay chains (1: no chain): at most `chain_steps`; at
+    def chain_len(self, reqs, max_chain: int | None = None) -> int:
+        """Steps the next whole-step replay chains (1: no chain): at most `chain_steps` (and
+        `max_chain` when given); at
         most what keeps every request inside the positions one step may reach at the end of
         its budget (each step commits 1 to S + 1 tokens, so step j starts at most j * (S + 1)
         past the first: (k - 1) * (S + 1) <= tokens left - 1); and at most what the pool's
         free slots hold (the draft's K * S scratch once, N verify slots a step: a chain never
         preempts). A request that stops early inside a chain (EOS, a stop id) runs on to the
         chain's end within those bounds; its extra tokens are dropped by the stop rules."""
-        k = self.chain_steps
+        k = self.chain_steps if max_chain is None else min(self.chain_steps, max_chain)
         if k <= 1:
             return 1
         S1, n = self.S + 1, len(reqs)

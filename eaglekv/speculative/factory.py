@@ -30,7 +30,7 @@ from eaglekv.model.multi_layer_eagle import (MultiLayerDraftConfig, MultiLayerDr
                                              load_multi_layer_draft, random_multi_layer_draft)
 from eaglekv.runner import RunnerResources
 from eaglekv.speculative.drafter import Eagle3Drafter, EagleDrafter
-from eaglekv.speculative.eagle_worker import EagleWorker
+from eaglekv.speculative.eagle_worker import EagleWorker, spec_chain_steps
 from eaglekv.speculative.multi_layer_eagle_worker import (MultiLayerEagleDraftWorker,
                                                           MultiLayerEagleWorker)
 
@@ -142,12 +142,6 @@ def build_runner(res: RunnerResources, spec: SpecConfig, ckpt: DraftCheckpoint |
         return AdaptiveWorker(res, drafter, spec, decode_steps=decode_steps)
     return family.runner(res, drafter, spec, spec_chain_steps(decode_steps, spec.num_steps))
 
-
-def spec_chain_steps(decode_steps: int, num_steps: int) -> int:
-    """Speculative steps a greedy engine step chains: a chain of `decode_steps` plain tokens
-    covers about ceil(decode_steps / (num_steps + 1)) speculative steps at full acceptance
-    (32 tokens, S = 5: 6 steps); 1 where plain decoding does not chain (CPU)."""
-    return max(1, -(-decode_steps // (num_steps + 1)))
 
 
 def draft_bytes_per_slot(ckpt: DraftCheckpoint | None, dtype: torch.dtype) -> int:

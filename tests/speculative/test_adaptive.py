@@ -25,7 +25,7 @@ from eaglekv.speculative.adaptive import (  # noqa: E402
     CATCHUP, CHAIN, EXPLORE_ALLOWANCE, PLAIN, AdaptivePolicy, Choice, CostTable, Shape, bucket)
 from eaglekv.speculative.adaptive_worker import Lag  # noqa: E402
 from eaglekv.speculative.drafter import ScriptedDrafter  # noqa: E402
-from helpers import PROMPTS, fresh_kv, oracle, tiny_engine  # noqa: E402
+from helpers import PROMPTS, fresh_kv, make_predictable, oracle, tiny_engine  # noqa: E402
 from sampling_helpers import (  # noqa: E402
     CHI2_999, N_SAMPLES, PARAMS, PROMPT, NoisySelfDrafter, chi_square)
 
@@ -283,6 +283,18 @@ def test_a_sure_choice_holds_for_a_few_steps_of_the_same_batch(B):
     r = FakeReq()
     fresh.state(r).rates[:] = 0.35                # S3 only on the optimism (a first try)
     assert fresh.choose([r]).shape == S3 and fresh._spec_left == 0
+    assert fresh.held_steps() == 0                # nothing to chain
+    # a held choice's steps run chained: those taken are not chosen again
+    p.observe_spec(reqs, S3, [0] * B)
+    p.choose(reqs)                                # worked afresh (a poor step), held again
+    assert p.held_steps() == p.hold_spec
+    p.consume_held(p.hold_spec - 1)
+    p.observe_spec(reqs, S3, [3] * B)
+    n = len(worked)
+    assert p.choose(reqs).shape == S3 and len(worked) == n and p.held_steps() == 0
+    p.observe_spec(reqs, S3, [3] * B)
+    p.choose(reqs)
+    assert len(worked) == n + 1
 
 
 def test_consecutive_and_scattered_rows_observe_the_same():
@@ -870,3 +882,39 @@ def test_batch_1_observations_in_scalars_equal_the_vector_path():
                  "prior"):
         np.testing.assert_array_equal(getattr(one, name), getattr(vec, name), err_msg=name)
     assert one.seen == vec.seen
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests capture the real graphs")
+def test_held_choices_run_as_speculative_chains(tiny_dir, monkeypatch):
+    """A sure speculative choice held for the next steps (`hold_spec`) runs them chained:
+    one whole-step replay chain (SpecStepGraphs' buffers, capture=False), one sync, each
+    step's acceptance observed in order. Greedy equals plain decoding token for token, the
+    policy's steps a choice was made for plus the held ones chained equal the steps the
+    worker counted, and the books balance after every engine step."""
+    from eaglekv.speculative.graphs import SpecStepGraphs
+    monkeypatch.setenv("EAGLEKV_TRITON_ON_CPU", "1")
+    plain = tiny_engine(tiny_dir, max_running_requests=1)
+    make_predictable(plain, 0.0, 0.0)       # the bigram target, every draft token right
+    sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(PROMPTS[:3], sp)]
+    eng = adaptive_engine(tiny_dir, costs={PLAIN: 1.0, S3.label: 1.3}, max_running_requests=1,
+                          attention_backend="triton", max_context_len=64)
+    make_predictable(eng, 0.0, 0.0)
+    w = eng.runner
+    for worker in w.workers.values():
+        worker.slots.hold_both = True
+        worker.step_graphs = SpecStepGraphs(worker, 1, progress=False, capture=False)
+        worker.chain_steps = 4
+    w.policy.hold_spec = 3
+    g = w.workers[S3].step_graphs
+    reqs = [eng.add_request(p, sp) for p in PROMPTS[:3]]
+    while eng.has_unfinished():
+        eng.step()
+        eng.check_memory()
+    assert [r.output_ids for r in reqs] == want
+    assert g.chains >= 2 and g.replays > g.chains
+    st = w.workers[S3].stats
+    assert st.verify_steps == sum(r.spec_stats.verify_steps for r in reqs)
+    assert st.accepted_tokens > st.verify_steps      # the draft was right more than not
+    eng.check_memory()
+    assert eng.allocator.is_full()

@@ -121,7 +121,7 @@ def test_spec_step_chain_buffers(tiny_dir, S, K, N):
         w = engine.runner
         lens = []
         orig = w.chain_len
-        w.chain_len = lambda reqs: lens.append(orig(reqs)) or lens[-1]  # noqa: B023
+        w.chain_len = lambda *a: lens.append(orig(*a)) or lens[-1]  # noqa: B023
         reqs = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
         roots = {}
         while engine.has_unfinished():
@@ -192,8 +192,8 @@ def test_spec_chain_bad_step_and_short_pool(tiny_dir):
     w.chain_steps = 3
     lens = []
     orig = w.chain_len
-    w.chain_len = lambda reqs: lens.append(
-        (orig(reqs), len(reqs), engine.allocator.available_slots())) or lens[-1][0]
+    w.chain_len = lambda reqs, *a: lens.append(
+        (orig(reqs, *a), len(reqs), engine.allocator.available_slots())) or lens[-1][0]
     sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
     reqs = [engine.add_request(p, sp) for p in PROMPTS]
     while engine.has_unfinished():
