@@ -60,9 +60,18 @@ MODES = {"plain": None,
          "eagle_chain_S5K1N6_unchecked": dict(num_steps=5, topk=1, num_draft_tokens=6),
          # checked in every layer's attention kernel, the way before the once-a-forward check
          "plain_layerchecks": None,
-         "eagle_chain_S5K1N6_layerchecks": dict(num_steps=5, topk=1, num_draft_tokens=6)}
+         "eagle_chain_S5K1N6_layerchecks": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         # num_scheduler_steps=1: one whole-step replay a sync (before the speculative chains)
+         "eagle_chain_S5K1N6_1step": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         "eagle3_chain_S5K1N6_1step": dict(algorithm="eagle3", num_steps=5, topk=1,
+                                           num_draft_tokens=6),
+         "eagle3_tree_S6K4N16_1step": dict(algorithm="eagle3", num_steps=6, topk=4,
+                                           num_draft_tokens=16),
+         "adaptive_1step": dict(adaptive=True)}
 
-VARIANTS = ("_unchecked", "_layerchecks")    # mode suffixes: the same shape, other checks
+# mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
+# the adaptive comparison: that is with the shipped settings)
+VARIANTS = ("_unchecked", "_layerchecks", "_1step")
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees")
 
 
@@ -119,7 +128,7 @@ def _make_engine(args, mode: str, max_batch: int) -> Engine:
                                speculative=sc, disable_cuda_graph=args.disable_cuda_graph,
                                waiting_served_ratio=getattr(args, "waiting_served_ratio", 0.0),
                                max_waiting_steps=getattr(args, "max_waiting_steps", 20),
-                               num_scheduler_steps=1 if mode == "plain_1step" else None))
+                               num_scheduler_steps=1 if mode.endswith("_1step") else None))
 
 
 def prompts(engine: Engine, B: int) -> list[list[int]]:
@@ -603,6 +612,21 @@ def checks_vs_unchecked(result: dict) -> None:
                 for m, u in pairs.items()}
 
 
+def chained_vs_1step(result: dict) -> None:
+    """Multi-step decode and the speculative chains against one step a sync
+    (`chained_vs_1step`, mode / mode_1step): tokens/s, and the profiled step's wall and
+    device time per token made."""
+    modes = result["modes"]
+    pairs = {m.removesuffix("_1step"): m for m in modes
+             if m.endswith("_1step") and m.removesuffix("_1step") in modes}
+    if pairs:
+        result["chained_vs_1step"] = {
+            m: {B: {"tokens_per_s": modes[m]["rows"][B]["tokens_per_s"]
+                    / modes[u]["rows"][B]["tokens_per_s"]}
+                for B in modes[m]["rows"] if B in modes[u]["rows"]}
+            for m, u in pairs.items()}
+
+
 def main(args) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     modes = [m for m in args.modes.split(",")]
@@ -621,6 +645,7 @@ def main(args) -> None:
               flush=True)
     compare(result)
     checks_vs_unchecked(result)
+    chained_vs_1step(result)
     if not args.no_hf:
         from eaglekv.model.loader import load_checkpoint
         ids = load_checkpoint(args.model).tokenizer.encode(PROMPT)

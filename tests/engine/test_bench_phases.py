@@ -211,3 +211,25 @@ def test_checks_are_compared_with_the_unchecked_step():
     with mode_checks("eagle_chain_S5K1N6_layerchecks"):
         assert not triton_backend.CHECK_ONCE
     assert triton_backend.CHECK_ONCE
+
+
+def test_chained_modes_are_compared_with_one_step_a_sync():
+    """`*_1step` modes (num_scheduler_steps=1: no multi-step decode, no speculative chains):
+    `chained_vs_1step` is mode / mode_1step per batch; a `_1step` shape is not one of
+    adaptive's fixed shapes (those run with the shipped settings)."""
+    from eaglekv.bench.gpu import MODES, chained_vs_1step, compare
+
+    def row(*tps):
+        return {"rows": {1: {"tokens_per_s": tps[0]}, 4: {"tokens_per_s": tps[1]}}}
+    result = {"modes": {"plain": row(10, 40), "plain_1step": row(8, 40),
+                        "eagle_chain_S5K1N6": row(20, 60),
+                        "eagle_chain_S5K1N6_1step": row(25, 50),
+                        "adaptive": row(20, 50), "adaptive_1step": row(16, 50)}}
+    chained_vs_1step(result)
+    assert {m: {B: r["tokens_per_s"] for B, r in rows.items()}
+            for m, rows in result["chained_vs_1step"].items()} == {
+        "plain": {1: 1.25, 4: 1.0}, "eagle_chain_S5K1N6": {1: 0.8, 4: 1.2},
+        "adaptive": {1: 1.25, 4: 1.0}}
+    compare(result)
+    assert result["adaptive_vs"][1]["best_fixed"] == 1.0      # 20 / 20, not 20 / 25
+    assert MODES["eagle_chain_S5K1N6_1step"] == MODES["eagle_chain_S5K1N6"]
