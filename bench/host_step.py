@@ -4,7 +4,8 @@ timed is the scheduler, the allocator, the packing of the graph inputs and the c
 part of a GPU step that no CUDA graph hides. Also counts the torch ops the host dispatches per
 step outside the stubbed forward (each costs ~20-30 us of launch on the H200's host).
 
-    python bench/host_step.py [--batches 1,4,16,64] [--steps 200] [--out F.json]
+    python bench/host_step.py [--batches 1,4,16,64] [--steps 200] [--chain 8]
+                              [--modes "plain,eagle S5K1N6,eagle S5K1N6 chained"] [--out F.json]
 
 A tiny random Llama on the CPU; the figures are this CPU's, for comparing commits.
 """
@@ -59,7 +60,7 @@ def count_ops(fn) -> Counter:
 
 def run(tiny: Path, mode: str, batch: int, steps: int, chain: int = 8) -> dict:
     kw = dict(max_running_requests=max(batch, 2), attention_backend="triton",
-              max_total_tokens=batch * (steps * 8 + 64) + 256)
+              max_total_tokens=batch * (max(steps * 8, 512) + 64) + 256)
     if mode != "plain":
         kw["speculative"] = spec("eagle", 5, 1, 6)
     else:
@@ -75,6 +76,8 @@ def run(tiny: Path, mode: str, batch: int, steps: int, chain: int = 8) -> dict:
         w.slots.hold_both = True
         w.step_graphs = SpecStepGraphs(w, batch, progress=False, capture=False)
         stub_spec(w.step_graphs, cfg.vocab_size, cfg.hidden_size)
+        # "... chained": chains of up to `chain` whole-step replays, one sync (run_chain)
+        w.chain_steps = chain if mode.endswith(" chained") else 1
     reqs = warm(e, batch, SamplingParams(max_new_tokens=e.max_context_len - 8, ignore_eos=True))
     ops = count_ops(e.step)
     t = time.perf_counter()
@@ -97,8 +100,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--chain", type=int, default=8, help="plain: num_scheduler_steps")
-    ap.add_argument("--modes", default="plain,eagle S5K1N6")
+    ap.add_argument("--chain", type=int, default=8,
+                    help="plain: num_scheduler_steps; '... chained': speculative steps a chain")
+    ap.add_argument("--modes", default="plain,eagle S5K1N6,eagle S5K1N6 chained")
     ap.add_argument("--out")
     a = ap.parse_args()
     torch.set_num_threads(1)
