@@ -9,7 +9,8 @@ import shlex
 import sys
 import time
 
-from eaglekv.config import SPEC_ALGORITHMS, EngineConfig, SamplingParams, SpecConfig
+from eaglekv.config import (DEFAULT_SCHEDULER_STEPS, SPEC_ALGORITHMS, EngineConfig, SamplingParams,
+                            SpecConfig)
 from eaglekv.errors import ConfigError, EaglekvError
 from eaglekv.training.cli import DESCRIPTION as TRAIN_DRAFT_DESCRIPTION
 from eaglekv.training.cli import add_arguments as train_draft_args
@@ -52,8 +53,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --waiting-served-ratio: admit the waiting ones after this many "
                    "engine steps in any case")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
-                   help="greedy decode steps per engine step, one sync for all (default: 8 "
-                   "with CUDA graphs, else 1)")
+                   help="greedy decode steps per engine step, one sync for all (default: "
+                   f"{DEFAULT_SCHEDULER_STEPS} with CUDA graphs, else 1); a speculative engine "
+                   "chains ceil(this / (num_steps + 1)) greedy speculative steps")
     # No defaults here: spec_config fills them from SpecConfig, and `serve` can tell a flag given.
     # The second names are SGLang's.
     p.add_argument("--spec", "--speculative-algorithm", type=str.lower, choices=SPEC_ALGORITHMS,

@@ -256,7 +256,9 @@ class EngineConfig:
     disable_cuda_graph: bool = False     # CUDA: run every step eagerly (debugging)
     cuda_graph_max_bs: int | None = None  # largest captured decode batch (default: max_running)
     # greedy decode steps replayed back to back per engine step, one sync for all (vLLM's
-    # --num-scheduler-steps); None: DEFAULT_SCHEDULER_STEPS with CUDA graphs, else 1
+    # --num-scheduler-steps; a speculative engine chains ceil(this / (S + 1)) whole-step
+    # replays, eagle_worker.spec_chain_steps); None: DEFAULT_SCHEDULER_STEPS with CUDA
+    # graphs, else 1
     num_scheduler_steps: int | None = None
     # admission while requests decode (TGI's --waiting-served-ratio / --max-waiting-tokens):
     # newcomers wait until they are at least this fraction of the running requests, or until
