@@ -282,29 +282,26 @@ class EagleWorker:
 
     def chain_len(self, reqs, max_chain: int | None = None) -> int:
         """Steps the next whole-step replay chains (1: no chain): at most `chain_steps` (and
-        `max_chain` when given); at
-        most what keeps every request inside the positions one step may reach at the end of
-        its budget (each step commits 1 to S + 1 tokens, so step j starts at most j * (S + 1)
-        past the first: (k - 1) * (S + 1) <= tokens left - 1); and at most what the pool's
-        free slots hold (the draft's K * S scratch once, N verify slots a step: a chain never
-        preempts). A request that stops early inside a chain (EOS, a stop id) runs on to the
-        chain's end within those bounds; its extra tokens are dropped by the stop rules."""
+        `max_chain` when given), and at most what the pool's free slots hold (the draft's
+        K * S scratch once, N verify slots a step: a chain never preempts). A request whose
+        budget runs out inside the chain is frozen there on the device (`run_chain`); one that
+        stops early otherwise (EOS, a stop id) runs on to the chain's end, and the stop rules
+        drop its extra tokens."""
         k = self.chain_steps if max_chain is None else min(self.chain_steps, max_chain)
         if k <= 1:
             return 1
-        S1, n = self.S + 1, len(reqs)
-        for r in reqs:
-            k = min(k, (r.params.max_new_tokens - len(r.output_ids) - 1) // S1 + 1)
+        n = len(reqs)
         free = self.res.allocator.available_slots() - n * self.K * self.S
         return max(1, min(k, free // (n * self.N)))
 
     def _chain_result(self, reqs, vchain, host, window) -> StepResult:
-        """A chain's StepResult: per request the tokens of its steps in order, up to a step
-        whose logits were unusable (it then fails after the tokens before it, as a decode
-        chain's request does, and every verify slot of its chain goes back); `accepted` is
-        the list of its steps' accept lengths (the scheduler counts those whose tokens it
-        keeps). The accepted slots of each step stay (positions L_j .. L_j + a_j), the rest
-        go back."""
+        """A chain's StepResult: per request the tokens of its steps in order, up to the step
+        its budget ran out in (run_chain froze it after that one: the later steps' outputs
+        are a padded row's) or a step whose logits were unusable (it then fails after the
+        tokens before it, as a decode chain's request does, and every verify slot of its
+        chain goes back); `accepted` is the list of its steps' accept lengths (the scheduler
+        counts those whose tokens it keeps). The accepted slots of each counted step stay
+        (positions L_j .. L_j + a_j), the rest go back."""
         k, B, N = vchain.shape
         result = StepResult(tokens=[None] * B, logprobs=[None] * B, failed=[False] * B,
                             kv_advance=[0] * B, last_slots=[-1] * B, accepted=[None] * B,
@@ -313,21 +310,25 @@ class EagleWorker:
         keep = np.zeros((k, B, N), dtype=bool)
         counted = []
         for b, r in enumerate(reqs):
-            toks, accs = [], []
+            toks, accs, failed = [], [], False
+            room = r.params.max_new_tokens - len(r.output_ids)
             for j in range(k):
+                if len(toks) >= room:           # frozen from here (run_chain)
+                    break
                 ok, a, *committed = host[j][b]
                 if not ok:
+                    failed = True
                     break
                 toks += committed[:a + 1]
                 accs.append(a)
             result.tokens[b] = toks or None
-            if len(accs) < k:       # fails alone after its good steps; nothing is committed
+            if failed:              # fails alone after its good steps; nothing is committed
                 result.failed[b] = True
                 continue
             for j, a in enumerate(accs):
                 keep[j, b, :a + 1] = True
             result.kv_advance[b] = len(toks)
-            result.last_slots[b] = int(vc[k - 1, b, accs[-1]])
+            result.last_slots[b] = int(vc[len(accs) - 1, b, accs[-1]])
             result.accepted[b] = accs
             # engine-wide counts: the steps whose tokens the stop rules keep
             kept, start = r.tokens_kept(toks), 0

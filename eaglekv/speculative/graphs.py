@@ -155,11 +155,14 @@ class SpecStepGraphs(CapturedForwards):
         speculative form of `DecodeGraphs.replay_chain`): step j + 1's inputs are made from
         step j's outputs on the device (committed length + accept_len + 1, the root token
         committed[accept_len], the window's draft roots), its verify slots are `vchain[j + 1]`
-        and the draft slots are the same scratch every step. `vchain` (k, n, N) host slots,
-        each step's own; every slot the chain writes is range-checked here on the host before
-        the first replay (the in-graph guards name a bad slot from the static buffer, which
-        after a chain holds the last step's only). The caller bounds k so that no request's
-        positions pass what one step may reach at its budget's end (EagleWorker.chain_len).
+        and the draft slots are the same scratch every step. A request whose budget
+        (max_new_tokens) is used up after step j is frozen for the rest of the chain: it
+        becomes a padded row (row 0, length 0, not live), so it reads and writes no request's
+        KV and its positions never pass what one step may reach at its budget's end
+        (EagleWorker._chain_result stops counting it there too). `vchain` (k, n, N) host
+        slots, each step's own; every slot the chain writes is range-checked here on the host
+        before the first replay (the in-graph guards name a bad slot from the static buffer,
+        which after a chain holds the last step's only).
         -> (host (k, n, S + 3) int64 per step, DraftOut of the last step's next roots), on the
         device, read at the step's one sync."""
         k, n, N = vchain.shape
@@ -172,25 +175,33 @@ class SpecStepGraphs(CapturedForwards):
                 raise KVIndexError(name, int(s[bad][0]), limit, int(bad.sum()), s.numel())
         b = self._fill(reqs, dslots, vchain[0], (k - 1) * (S + 1))
         self.chains += 1
-        if self.chain is None or self.chain[0].shape[0] < k:
-            n_max, dev = self.buckets[-1], self.inputs.device
-            host = torch.zeros(k, n_max * N, dtype=torch.int64)
+        n_max = self.buckets[-1]
+        if self.chain is None or self.chain[0].shape[0] < k + 1:
+            dev = self.inputs.device
+            host = torch.zeros(k + 1, n_max * N, dtype=torch.int64)   # + the budgets' row
             self.chain = (host.pin_memory() if self.capture else host,
-                          torch.zeros(k, n_max * N, dtype=torch.int64, device=dev),
+                          torch.zeros(k + 1, n_max * N, dtype=torch.int64, device=dev),
                           torch.zeros(k, n_max, S + 3, dtype=torch.int64, device=dev))
-        host, vdev, out = (x[:k] for x in self.chain)
-        host[:, :b * N] = 0                                # padded rows: slot 0
-        host[:, :n * N] = vchain.reshape(k, n * N)
+        host, vdev, out = self.chain[0][:k + 1], self.chain[1][:k + 1], self.chain[2][:k]
+        host[:, :b * N] = 0                                # padded rows: slot 0, no budget
+        host[:k, :n * N] = vchain.reshape(k, n * N)
+        host[k, :n] = torch.tensor([r.params.max_new_tokens - len(r.output_ids) for r in reqs])
         vdev.copy_(host, non_blocking=True)
-        L, _, root, live, _, vs = self._views(b, self.inputs)
+        L, rows, root, live, _, vs = self._views(b, self.inputs)
         vs = vs.view(-1)
+        left = vdev[k, :b]                                 # tokens each row may still make
         window = None
         for j in range(k):
             if j:                 # step j's inputs from step j - 1's outputs, on the device
                 prev = out[j - 1, :b]
                 acc = prev[:, 1]
+                adv = (acc + 1) * live                    # padded and frozen rows: 0
+                left.sub_(adv)
+                alive = (left > 0).long()
                 root.copy_(prev[:, 2:].gather(1, acc[:, None]).view(-1))
-                L.add_((acc + 1) * live)              # padded rows stay at length 0
+                L.add_(adv).mul_(alive)                   # frozen: a padded row from here
+                rows.mul_(alive)
+                live.copy_(alive)
                 vs.copy_(vdev[j, :b * N])
                 self.root_logits[:b].copy_(window.logits)
                 self.root_hidden[:b].copy_(window.hidden)

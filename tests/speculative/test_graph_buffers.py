@@ -103,10 +103,11 @@ def test_spec_step_chain_buffers(tiny_dir, S, K, N):
     the same accept lengths step for step as one step a sync (per request and engine-wide,
     a request's steps counted up to its stop), books balanced after every engine step. The
     draft predicts the target's bigram part (`make_predictable`), so accept lengths vary
-    from 0 to S; budgets of 14, 10 and 12 tokens bound the chains near their ends
-    (`chain_len`), and a stop id ends one request inside a chain. After every engine step
+    from 0 to S; budgets of 14, 10 and 12 tokens run out inside chains (the request is
+    frozen there on the device, `run_chain`), and a stop id ends one request inside a
+    chain. After every engine step
     each request's draft root (logits and feature) equals the one-step run's at the same
-    committed length."""
+    committed length (up to rounding)."""
     plain = tiny_engine(tiny_dir, max_running_requests=4)
     make_predictable(plain)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 10, 12)]
@@ -119,9 +120,27 @@ def test_spec_step_chain_buffers(tiny_dir, S, K, N):
     for chain in (1, 3):
         engine = _chain_engine(tiny_dir, S, K, N, chain)
         w = engine.runner
-        lens = []
+        lens, frozen = [], []
         orig = w.chain_len
         w.chain_len = lambda *a: lens.append(orig(*a)) or lens[-1]  # noqa: B023
+        result_of = w._chain_result
+
+        def chain_result(reqs, vchain, host, window):
+            res = result_of(reqs, vchain, host, window)
+            frozen.extend(b for b, a in enumerate(res.accepted)     # noqa: B023
+                          if a is not None and len(a) < vchain.shape[0])
+            return res
+        w._chain_result = chain_result
+        drafts = {}                   # (row, committed length) -> the draft's pool scores
+        loop_run, g = w.loop.run, w.step_graphs
+
+        def recorded(*a, **kw):
+            pool = loop_run(*a, **kw)
+            L, rows, _, live, _, _ = g._views(pool.scores.shape[0], g.inputs)  # noqa: B023
+            for i in live.nonzero().view(-1).tolist():
+                drafts[int(rows[i]), int(L[i])] = pool.scores[i].clone()     # noqa: B023
+            return pool
+        w.loop.run = recorded
         reqs = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
         roots = {}
         while engine.has_unfinished():
@@ -131,14 +150,25 @@ def test_spec_step_chain_buffers(tiny_dir, S, K, N):
                 if not r.finished and r.draft_state is not None:
                     roots[i, r.kv_len] = (r.draft_state[0].clone(), r.draft_state[1].clone())
         if chain == 1:
-            one_roots = roots
+            one_roots, one_drafts = roots, drafts
         else:
+            # every draft the chains ran: the one-step run's, from the same roots (a stale
+            # root feature or root token inside a chain would move these scores); a request
+            # that stopped on its stop id runs on to its chain's end (drafts past it extra)
+            common = drafts.keys() & one_drafts.keys()
+            assert len(common) >= len(one_drafts) - 1 and len(drafts) - len(common) <= 2
+            for key in common:
+                torch.testing.assert_close(drafts[key], one_drafts[key], rtol=1e-4, atol=1e-5)
             assert len(roots) >= 4 and roots.keys() <= one_roots.keys()
+            # equal up to rounding: a request frozen in a chain keeps its row in the bucket,
+            # where the one-step run's batch has shrunk (other matmul shapes)
             for key, (logits, hidden) in roots.items():
-                torch.testing.assert_close(logits, one_roots[key][0], rtol=0, atol=0)
-                torch.testing.assert_close(hidden, one_roots[key][1], rtol=0, atol=0)
+                torch.testing.assert_close(logits, one_roots[key][0], rtol=1e-4, atol=1e-6)
+                torch.testing.assert_close(hidden, one_roots[key][1], rtol=1e-4, atol=1e-6)
         assert [r.output_ids for r in reqs] == reference
         assert engine.allocator.is_full()
+        if chain > 1:         # a request's budget ran out inside a chain: frozen there
+            assert frozen
         runs.append((lens, [(r.spec_stats.verify_steps, r.spec_stats.accepted_tokens,
                              r.spec_stats.accept_histogram) for r in reqs],
                      (w.stats.verify_steps, w.stats.accepted_tokens, w.stats.accept_histogram)))
