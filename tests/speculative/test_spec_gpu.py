@@ -117,3 +117,37 @@ def test_gpu_reduced_vocabulary_head_stays_lossless(tmp_path, tiny_dir, shape, g
     _check_graphs(eng, graphs)
     eng.check_memory()
     assert eng.allocator.is_full()
+
+
+@pytest.mark.parametrize("S,K,N", [(3, 1, 4), (3, 2, 5), (5, 1, 6)])
+@pytest.mark.parametrize("alg", ["eagle", "eagle3"])
+def test_gpu_spec_chains_equal_one_step_and_plain(tiny_dir, deep_dir, alg, S, K, N):
+    """Captured whole-step graphs replayed in chains (the default under CUDA graphs) and one
+    replay a sync (num_scheduler_steps=1): greedy equal to plain in fp32, the same accept
+    lengths per request, chains of more than one replay ran, budgets run out inside chains,
+    books balanced. The draft predicts a near-bigram target (`make_predictable`, EAGLE only:
+    EAGLE-3's head takes captured layers), so accept lengths vary."""
+    from helpers import make_predictable
+    model_dir = tiny_dir if alg == "eagle" else deep_dir
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (40, 23, 31)]
+    plain_eng = tiny_engine(model_dir, device="cuda")
+    if alg == "eagle":
+        make_predictable(plain_eng)
+    plain = [o.token_ids for o in plain_eng.generate(PROMPTS, params)]
+    runs = []
+    for steps in (None, 1):
+        eng = tiny_engine(model_dir, device="cuda", num_scheduler_steps=steps,
+                          speculative=dict(algorithm=alg, draft_model="random", num_steps=S,
+                                           topk=K, num_draft_tokens=N))
+        if alg == "eagle":
+            make_predictable(eng)
+        reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+        while eng.has_unfinished():
+            eng.step()
+            eng.check_memory()
+        assert [r.output_ids for r in reqs] == plain
+        g = eng.runner.step_graphs
+        assert g is not None and g.capture and (g.chains > 0) == (steps is None)
+        assert eng.allocator.is_full()
+        runs.append([(r.spec_stats.verify_steps, r.spec_stats.accept_histogram) for r in reqs])
+    assert runs[0] == runs[1]
