@@ -157,9 +157,10 @@ class SpecStepGraphs(CapturedForwards):
         committed[accept_len], the window's draft roots), its verify slots are `vchain[j + 1]`
         and the draft slots are the same scratch every step. A request whose budget
         (max_new_tokens) is used up after step j is frozen for the rest of the chain: it
-        becomes a padded row (row 0, length 0, not live), so it reads and writes no request's
-        KV and its positions never pass what one step may reach at its budget's end
-        (EagleWorker._chain_result stops counting it there too). `vchain` (k, n, N) host
+        becomes a padded row (row 0, length 0, not live, only slot 0 to write), so it reads
+        and writes no request's KV nor req_to_token entry, and its positions never pass what
+        one step may reach at its budget's end (EagleWorker._chain_result stops counting it
+        there too). `vchain` (k, n, N) host
         slots, each step's own; every slot the chain writes is range-checked here on the host
         before the first replay (the in-graph guards name a bad slot from the static buffer,
         which after a chain holds the last step's only).
@@ -187,8 +188,7 @@ class SpecStepGraphs(CapturedForwards):
         host[:k, :n * N] = vchain.reshape(k, n * N)
         host[k, :n] = torch.tensor([r.params.max_new_tokens - len(r.output_ids) for r in reqs])
         vdev.copy_(host, non_blocking=True)
-        L, rows, root, live, _, vs = self._views(b, self.inputs)
-        vs = vs.view(-1)
+        L, rows, root, live, ds, vs = self._views(b, self.inputs)
         left = vdev[k, :b]                                 # tokens each row may still make
         window = None
         for j in range(k):
@@ -200,9 +200,10 @@ class SpecStepGraphs(CapturedForwards):
                 alive = (left > 0).long()
                 root.copy_(prev[:, 2:].gather(1, acc[:, None]).view(-1))
                 L.add_(adv).mul_(alive)                   # frozen: a padded row from here
-                rows.mul_(alive)
-                live.copy_(alive)
-                vs.copy_(vdev[j, :b * N])
+                rows.mul_(alive)                          # (row 0, length 0, not live, only
+                live.copy_(alive)                         # slot 0 to write)
+                ds.mul_(alive[:, None, None])
+                torch.mul(vdev[j, :b * N].view(b, N), alive[:, None], out=vs)
                 self.root_logits[:b].copy_(window.logits)
                 self.root_hidden[:b].copy_(window.hidden)
                 # guard 2 was checked for the whole chain above; an eager replay

@@ -167,6 +167,8 @@ def test_spec_step_chain_buffers(tiny_dir, S, K, N):
                 torch.testing.assert_close(hidden, one_roots[key][1], rtol=1e-4, atol=1e-6)
         assert [r.output_ids for r in reqs] == reference
         assert engine.allocator.is_full()
+        # padded and frozen rows wrote only zeros into req_to_token's padding row
+        assert not engine.req_to_token.req_to_token[0].any()
         if chain > 1:         # a request's budget ran out inside a chain: frozen there
             assert frozen
         runs.append((lens, [(r.spec_stats.verify_steps, r.spec_stats.accepted_tokens,
