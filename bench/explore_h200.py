@@ -9,6 +9,7 @@
              and split-K 1-16 (a split count > 1 adds a merge kernel).
   chain:     plain decoding at batch 1 on a random SmolLM2-shaped model, chains of 8, 16, 32,
              64 greedy steps per engine step (num_scheduler_steps).
+  gemv2:     a bare Triton matrix-vector kernel over its tilings against cuBLAS at M = 1.
 
     PYTHONPATH=. python3 bench/explore_h200.py OUT_DIR [--parts matmul,attention,chain]
 """
@@ -210,6 +211,92 @@ def part_gemv_engine() -> list[dict]:
         rows.append({"greedy_tokens_equal": f"{same}/{len(outs[True])}"})
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def _gemv2_kernel():
+    """A bare matrix-vector product y (1, N) = x (1, K) @ w (N, K)^T, nn.Linear's layout:
+    program j reads BLOCK_N whole weight rows in BLOCK_K chunks (the loop software-pipelined
+    `num_stages` deep), or in one K_PAD-wide tile when BLOCK_K >= K. No prologue, no
+    epilogue: the question is only whether any Triton tiling beats cuBLAS at M = 1."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        j = tl.program_id(0)
+        n = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        nm = n < N
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < K
+            x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nm[:, None] & km[None, :],
+                        other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=nm)
+    return kernel
+
+
+def gemv2(kernel, x, w, y, block_n: int, block_k: int, num_warps: int, num_stages: int):
+    N, K = w.shape
+    kernel[(-(-N // block_n),)](x, w, y, N, K, BLOCK_N=block_n, BLOCK_K=block_k,
+                               num_warps=num_warps, num_stages=num_stages)
+    return y
+
+
+GEMV2_CONFIGS = [(bn, bk, nw, st) for bn in (4, 8, 16, 32) for bk in (256, 1024)
+                 for nw in (2, 4) for st in (1, 3)]
+
+
+def part_gemv2() -> list[dict]:
+    """The bare gemv (`_gemv2_kernel`) over its tilings against cuBLAS (`F.linear`, the same
+    (N, K) weights) at M = 1 on the decode matmuls, each over enough weight copies to stream
+    from HBM, in one CUDA graph; checked against cuBLAS's result first."""
+    import torch.nn.functional as F
+    kernel = _gemv2_kernel()
+    rows = []
+    for name, (K, N) in SHAPES.items():
+        nbytes = K * N * 2
+        copies = max(2, min(64, -(-400_000_000 // nbytes)))
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        ys = [torch.empty(1, N, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+
+        def cublas():
+            for w in ws:
+                F.linear(x, w)
+        row = {"shape": name, "K": K, "N": N, "M": 1,
+               "cublas_us": round(1e3 * graph_time(cublas) / copies, 2), "configs": []}
+        ref = F.linear(x, ws[0]).float()
+        for bn, bk, nw, st in GEMV2_CONFIGS:
+            if bk > 2 * triton_next_pow2(K) or bn * bk > 32768:
+                continue
+            try:
+                y = gemv2(kernel, x, ws[0], ys[0], bn, bk, nw, st).float()
+                err = float((y - ref).abs().max() / ref.abs().max())
+
+                def fn():
+                    for w, yy in zip(ws, ys):
+                        gemv2(kernel, x, w, yy, bn, bk, nw, st)
+                us = 1e3 * graph_time(fn) / copies
+            except Exception as e:  # noqa: BLE001 - a tiling that does not compile
+                print(name, bn, bk, nw, st, repr(e)[:160], flush=True)
+                continue
+            row["configs"].append({"block_n": bn, "block_k": bk, "num_warps": nw,
+                                   "num_stages": st, "us": round(us, 2), "rel_err": err})
+        row["configs"].sort(key=lambda c: c["us"])
+        row["best"] = row["configs"][0] if row["configs"] else None
+        row["TBps_cublas"] = round(nbytes / (row["cublas_us"] * 1e-6) / 1e12, 3)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "configs"}), flush=True)
+        del ws, ys
+        torch.cuda.empty_cache()
+    return rows
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def main() -> None:
