@@ -8,9 +8,9 @@
 #   bench/h200_issue13.sh memcheck [PATHS]  # the same under compute-sanitizer memcheck
 # bench env: MODES, BATCHES (1,4,16,64), NEW_TOKENS, WAVES (1: one batch; K: B in flight, B x K
 # in all), WSR (--waiting-served-ratio, 0: admit at once), FLOOR=0 to skip the floor (~140 s),
-# LLAMA8B=" " to skip the 8B row. The modes need both shipped heads in the tree (eagle_* the
-# EAGLE-1 head, adaptive the EAGLE-3 one): a slimmed tree carries them
-# (.carry/slimmed/eaglekv/drafts/*) and copies them back first.
+# LLAMA8B=" " to skip the 8B row. The modes need the shipped heads in the tree (eagle_* and
+# adaptive the EAGLE-1/2 head, eagle3_* and adaptive_eagle3* the EAGLE-3 one): a slimmed
+# tree carries them (.carry/slimmed/eaglekv/drafts/*) and copies them back first.
 set -uo pipefail
 export PYTHONPATH=.:.carry/pylib
 M=/root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
