@@ -233,14 +233,18 @@ class AdaptiveWorker:
         res = self.workers[shape].decode(sub, max_chain)
         acc = [None if f else a for f, a in zip(res.failed, res.accepted)]
         steps = [a for a in acc if isinstance(a, list)]
-        k = len(steps[0]) if steps else 1
+        # a chain's requests may keep different numbers of its steps (one whose budget runs
+        # out inside the chain stops there): the chain ran as many as the longest kept
+        k = max(map(len, steps)) if steps else 1
         self._pending.append((shape.label, len(sub), time.perf_counter() - t, k))
         if not steps:
             self.policy.observe_spec(sub, shape, acc)
             return res
         self.policy.consume_held(k - 1)
-        for j in range(k):
-            self.policy.observe_spec(sub, shape, [None if a is None else a[j] for a in acc])
+        for j in range(k):      # a request that stopped before step j is not observed there
+            self.policy.observe_spec(sub, shape,
+                                     [a[j] if a is not None and j < len(a) else None
+                                      for a in acc])
         return res
 
     # ---- what a step cost ----------------------------------------------------------------------

@@ -918,3 +918,26 @@ def test_held_choices_run_as_speculative_chains(tiny_dir, monkeypatch):
     assert st.accepted_tokens > st.verify_steps      # the draft was right more than not
     eng.check_memory()
     assert eng.allocator.is_full()
+
+
+def test_a_chain_whose_requests_keep_different_step_counts_is_observed_per_step(tiny_dir):
+    """A chain's requests may keep different numbers of its steps (a budget that runs out
+    inside the chain stops its request there): each step is observed with the requests that
+    reached it, the others None, for as many steps as the longest kept. (Found on the H100,
+    2026-12-05: the policy read every request's list at the first one's length, an
+    IndexError in `eaglekv bench --modes adaptive` at batch 4.)"""
+    from eaglekv.core import StepResult
+    eng = adaptive_engine(tiny_dir, costs={PLAIN: 1.0, S3.label: 1.3}, max_running_requests=3)
+    w = eng.runner
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=8)) for p in PROMPTS[:3]]
+    lists = [[3, 1, 2], [2], None]        # three steps kept, one kept, the third failed
+    res = StepResult(tokens=[[1]] * 3, logprobs=[None] * 3, failed=[False, False, True],
+                     accepted=lists, kv_advance=[0] * 3, last_slots=[0] * 3)
+    w.workers[S3].decode = lambda sub, max_chain=None: res
+    seen = []
+    w.policy.observe_spec = lambda sub, shape, acc: seen.append(list(acc))
+    w.policy.consume_held = lambda n: seen.append(("held", n))
+    w._pending = []                       # as `decode` sets it before speculating
+    assert w._speculate(reqs, S3, 3) is res
+    assert w._pending[-1][0] == S3.label and w._pending[-1][3] == 3     # costed per step
+    assert seen == [("held", 2), [3, 2, None], [1, None, None], [2, None, None]]
