@@ -42,6 +42,11 @@ NOT_GUARDED = ("SpecStepGraphs does not guard the accepted path (no guard_path a
 # (configuration, path) -> why it is expected to fail; empty since the padded verify row
 # writes only the padding slot into req_to_token's padding row (DraftSlots.write_verify_table)
 KNOWN: dict = {}
+# on CUDA only (the CPU cases pass): refused, nothing written, the engine serving, but the
+# KVIndexError names slot -1, not the planted node (H100, 2026-12-05,
+# bench/results/gpu_tests_h100_20261205_chains.log)
+KNOWN_GPU: dict = {("spec_step_chain", "tree_retrieve"):
+                   "in a captured chain the accepted-path check names -1, not the planted value"}
 
 # configuration -> (engine options, graph objects to build with capture=False on CPU)
 CONFIGS = {
@@ -149,8 +154,9 @@ def test_graph_fault_gpu(request, gpu_engines, refs, config, path, kind):
     if path == "tree_retrieve" and not _graph_guards_path():
         pytest.skip(NOT_GUARDED + " (on CUDA a device-side assert that would end the "
                     "process's CUDA context)")
-    if (config, path) in KNOWN:
-        request.applymarker(pytest.mark.xfail(reason=KNOWN[config, path]))
+    known = {**KNOWN, **KNOWN_GPU}
+    if (config, path) in known:       # strict: fixing it turns this into a failure to remove
+        request.applymarker(pytest.mark.xfail(reason=known[config, path], strict=True))
     eng = gpu_engines(config)
     assert all(g.capture for g in graph_objects(eng).values())
     _check(gpu_engines, refs, config, path, kind)
