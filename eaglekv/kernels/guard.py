@@ -3,8 +3,12 @@
 `check_indices` is the CPU path of every guarded kernel: one host sync, then `KVIndexError`
 before anything is written. A guarded Triton kernel never writes through an out-of-range
 index; it masks the access and records the error in a small device buffer: `[bad count, first
-key]` where `key = call_id * 2**32 + token position` (atomic min, so the earliest call and
-position win). The host reads the buffer at the step's existing sync (`raise_if_error`), so
+key, value, value's key]` where `key = call_id * 2**32 + token position` (atomic min, so the
+earliest call and position win). The range guard (`guard_indices`) also records the bad value
+itself and the key it belongs to, because the host cannot always read it back from the indices:
+in a chain of captured steps (`spec_step_chain`) a later step overwrites the buffer it checked
+before the sync comes. The other guarded kernels record the key alone and the host reads the
+value from their indices (slot tables a step does not overwrite). The host reads the buffer at the step's existing sync (`raise_if_error`), so
 the normal path costs no extra sync. Outside a step, a guarded call checks at once (one sync)
 and raises. `EAGLEKV_DEVICE_ASSERT=1` switches the kernels to a hard device assert for
 debugging.
@@ -94,6 +98,12 @@ class _Call:
     indices: torch.Tensor
     layer: int | None
     dense: bool       # every entry of `indices` is addressed (not a table read in part)
+    low: int = 0
+
+
+def fresh_error_buffer() -> list[int]:
+    """The error buffer's empty state: no bad index, no key, no recorded value."""
+    return [0, NO_ERROR, 0, NO_ERROR]
 
 
 class KVGuard:
@@ -104,15 +114,15 @@ class KVGuard:
         # a normal tensor even when the first guarded call runs under inference_mode (a
         # model forward): the host resets it in place later, outside of it
         with torch.inference_mode(False):
-            self.err = torch.tensor([0, NO_ERROR], dtype=torch.int64, device=device)
+            self.err = torch.tensor(fresh_error_buffer(), dtype=torch.int64, device=device)
         self.calls: dict[int, _Call] = {}     # call id -> call, this step's
         self.next_id = 0
         self.deferred = False
 
     def register(self, op: str, limit: int, indices: torch.Tensor, layer: int | None,
-                 dense: bool = False) -> int:
+                 dense: bool = False, low: int = 0) -> int:
         call_id = self.next_id
-        self.calls[call_id] = _Call(op, limit, indices, layer, dense)
+        self.calls[call_id] = _Call(op, limit, indices, layer, dense, low)
         self.next_id += 1
         return call_id
 
@@ -144,19 +154,24 @@ class KVGuard:
 
     def raise_if_error(self) -> None:
         """Read the buffer (call right after an existing host sync) and raise the first error."""
-        count, key = self.err.tolist()
+        count, key, value, value_key = self.err.tolist()
         calls, self.calls, self.next_id = self.calls, {}, 0
         if count == 0:
             return
-        self.err.copy_(torch.tensor([0, NO_ERROR], dtype=torch.int64))
+        self.err.copy_(torch.tensor(fresh_error_buffer(), dtype=torch.int64))
         call = calls[key >> 32]
         pos = key & 0xFFFFFFFF
         flat = call.indices.reshape(-1)
-        bad = int(flat[pos])
+        # the value as the device saw it when the guard recorded it, else (a kernel that keys
+        # its errors only) read back from the indices, which the step has not overwritten
+        bad = value if value_key == key else int(flat[pos])
         # the device counts over the whole step; a dense call's own count is recomputed here
-        own = int(((flat < 0) | (flat >= call.limit)).sum()) if call.dense else count
+        # (0 when a later step of a chain rewrote the indices: the device's count then)
+        own = count
+        if call.dense:
+            own = int(((flat < call.low) | (flat >= call.limit)).sum()) or count
         raise KVIndexError(call.op, bad, call.limit, own, flat.numel(), layer=call.layer,
-                           step_bad=count)
+                           low=call.low, step_bad=count)
 
     def after_launch(self) -> None:
         if not self.deferred:
@@ -186,7 +201,7 @@ def guard_indices(indices: torch.Tensor, limit: int, op: str, layer: int | None 
         check_indices(indices, limit, op, low)
         return indices
     guard = kv_guard(indices.device)
-    call_id = guard.register(op, limit, indices, layer, dense=low == 0)
+    call_id = guard.register(op, limit, indices, layer, dense=True, low=low)
     flat = indices.reshape(-1).contiguous()
     if _USE_TORCH_OPS:
         safe = guard_range_torch(flat, low, limit, guard.err, call_id << 32)
@@ -203,12 +218,17 @@ _USE_TORCH_OPS = False     # tests: the reference below instead of the Triton ke
 def guard_range_torch(flat: torch.Tensor, low: int, limit: int, err: torch.Tensor,
                       key_base: int) -> torch.Tensor:
     """Reference of `guard_triton.guard_range_triton` in torch ops (no host sync): a copy of
-    flat with bad entries 0; err[0] += their count, err[1] = min(err[1], key_base + first)."""
+    flat with bad entries 0; err[0] += their count, err[1] = min(err[1], key_base + first)
+    and, when that key is new (smaller than err[1] was), err[2:4] = (the first bad value, its
+    key)."""
     if flat.numel() == 0:
         return flat.clone()
     bad = (flat < low) | (flat >= limit)                                   # (n,)
     pos = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64)
-    key = torch.where(bad, pos + key_base, torch.full_like(pos, NO_ERROR)).amin()
+    first = torch.where(bad, pos, torch.full_like(pos, flat.numel() - 1)).amin()
+    key = torch.where(bad.any(), first + key_base, torch.full_like(first, NO_ERROR))
+    new = key < err[1]
+    err[2:4] = torch.where(new, torch.stack([flat[first].to(torch.int64), key]), err[2:4])
     err[0] += bad.sum()
     torch.minimum(err[1], key, out=err[1:2].view(()))
     return torch.where(bad, torch.zeros_like(flat), flat)

@@ -42,11 +42,10 @@ NOT_GUARDED = ("SpecStepGraphs does not guard the accepted path (no guard_path a
 # (configuration, path) -> why it is expected to fail; empty since the padded verify row
 # writes only the padding slot into req_to_token's padding row (DraftSlots.write_verify_table)
 KNOWN: dict = {}
-# on CUDA only (the CPU cases pass): refused, nothing written, the engine serving, but the
-# KVIndexError names slot -1, not the planted node (H100, 2026-12-05,
+# on CUDA only: none since the range guard records the bad value on the device (a chain's later
+# step overwrote the accepted path before the sync, so the message named -1: H100, 2026-12-05,
 # bench/results/gpu_tests_h100_20261205_chains.log)
-KNOWN_GPU: dict = {("spec_step_chain", "tree_retrieve"):
-                   "in a captured chain the accepted-path check names -1, not the planted value"}
+KNOWN_GPU: dict = {}
 
 # configuration -> (engine options, graph objects to build with capture=False on CPU)
 CONFIGS = {
