@@ -67,11 +67,16 @@ MODES = {"plain": None,
                                            num_draft_tokens=6),
          "eagle3_tree_S6K4N16_1step": dict(algorithm="eagle3", num_steps=6, topk=4,
                                            num_draft_tokens=16),
-         "adaptive_1step": dict(adaptive=True)}
+         "adaptive_1step": dict(adaptive=True),
+         # graphs captured with the Triton matrix-vector kernel for decode-sized matmuls
+         # (fused.FUSE_GEMV: add + RMSNorm before qkv and gate_up, SiLU*mul after gate_up,
+         # in one launch each; off by default)
+         "plain_gemv": None,
+         "eagle_chain_S5K1N6_gemv": dict(num_steps=5, topk=1, num_draft_tokens=6)}
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
-VARIANTS = ("_unchecked", "_layerchecks", "_1step")
+VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv")
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees")
 
 
@@ -108,13 +113,15 @@ def sync() -> None:
 
 def make_engine(args, mode: str, max_batch: int) -> Engine:
     from eaglekv.kernels import fused
-    default, fused.FUSE_NORM_MATMUL = (fused.FUSE_NORM_MATMUL,
-                                       split_mode(mode)[0] == "plain_fused")
+    name = split_mode(mode)[0]
+    default = fused.FUSE_NORM_MATMUL, fused.FUSE_GEMV
+    fused.FUSE_NORM_MATMUL = name == "plain_fused"
+    fused.FUSE_GEMV = default[1] or name.endswith("_gemv")
     try:                                                  # what the graphs capture
         with mode_checks(mode):
             return _make_engine(args, mode, max_batch)
     finally:
-        fused.FUSE_NORM_MATMUL = default
+        fused.FUSE_NORM_MATMUL, fused.FUSE_GEMV = default
 
 
 def _make_engine(args, mode: str, max_batch: int) -> Engine:
@@ -614,17 +621,20 @@ def checks_vs_unchecked(result: dict) -> None:
 
 def chained_vs_1step(result: dict) -> None:
     """Multi-step decode and the speculative chains against one step a sync
-    (`chained_vs_1step`, mode / mode_1step): tokens/s, and the profiled step's wall and
-    device time per token made."""
+    (`chained_vs_1step`, mode / mode_1step), and the Triton matrix-vector kernel against
+    cuBLAS and the separate glue kernels (`gemv_vs_cublas`, mode_gemv / mode): tokens/s."""
     modes = result["modes"]
-    pairs = {m.removesuffix("_1step"): m for m in modes
-             if m.endswith("_1step") and m.removesuffix("_1step") in modes}
-    if pairs:
-        result["chained_vs_1step"] = {
-            m: {B: {"tokens_per_s": modes[m]["rows"][B]["tokens_per_s"]
-                    / modes[u]["rows"][B]["tokens_per_s"]}
-                for B in modes[m]["rows"] if B in modes[u]["rows"]}
-            for m, u in pairs.items()}
+    for key, suffix, gemv in (("chained_vs_1step", "_1step", False),
+                              ("gemv_vs_cublas", "_gemv", True)):
+        pairs = {m.removesuffix(suffix): m for m in modes
+                 if m.endswith(suffix) and m.removesuffix(suffix) in modes}
+        if pairs:
+            result[key] = {
+                m: {B: {"tokens_per_s": (modes[v]["rows"][B]["tokens_per_s"]
+                                         / modes[m]["rows"][B]["tokens_per_s"]) ** (
+                                             1 if gemv else -1)}
+                    for B in modes[m]["rows"] if B in modes[v]["rows"]}
+                for m, v in pairs.items()}
 
 
 def main(args) -> None:

@@ -22,6 +22,8 @@ store_cache_triton).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -253,7 +255,6 @@ def norm_matmul_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, 
     hit = _NORM_MATMUL.lookup(key)
     if hit is None:
         check(x, residual, norm_weight, w, silu_mul)
-    M, K = x.shape
     n_out = w.shape[1] // 2 if silu_mul else w.shape[1]
     out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     new_res = x if residual is None else torch.empty((M, K), dtype=x.dtype, device=x.device)
@@ -273,7 +274,13 @@ def norm_matmul_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, 
 _NORM_MATMUL = CachedLaunch(_norm_matmul_kernel)
 
 
-GEMV_CONFIG = {"block_n": 8, "block_k": 256, "num_warps": 4}   # measured: bench/explore_h200.py
+# the bare kernel's best tiling at M = 1 on an H100 (bench/explore_h200.py --parts gemv2,
+# 2026-12-05: 4 weight rows a program, K in one 1024-wide tile, 4 warps; it ties cuBLAS on
+# SmolLM2's four matmuls); was 8 / 256 / 4 (5.1-9.6 us against cuBLAS's 3.3-5.1 on the H200).
+# EAGLEKV_GEMV_CONFIG="block_n,block_k,num_warps" overrides it (read at import)
+GEMV_CONFIG = dict(zip(("block_n", "block_k", "num_warps"),
+                       (int(v) for v in os.environ.get("EAGLEKV_GEMV_CONFIG", "4,1024,4")
+                        .split(","))))
 
 
 @triton.jit
@@ -346,25 +353,26 @@ def gemv_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, check,
     norm_weight None: y = x @ w only (residual unused) -> (y, new residual or None)."""
     norm = norm_weight is not None
     r = x if residual is None else residual
+    M, K = x.shape
+    bn = block_n or GEMV_CONFIG["block_n"]
+    bk = min(block_k or GEMV_CONFIG["block_k"], max(16, _pow2(K)))
+    nw = num_warps or GEMV_CONFIG["num_warps"]
     key = (_sig(x), residual is None, _sig(r), norm and _sig(norm_weight), _sig(w), silu_mul,
-           block_n, block_k, num_warps)
+           bn, bk, nw)
     hit = _GEMV.lookup(key)
     if hit is None:
         check(x, residual, norm_weight, w, silu_mul)
-    M, K = x.shape
     n_out = w.shape[1] // 2 if silu_mul else w.shape[1]
     out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     new_res = (None if not norm else x if residual is None
                else torch.empty((M, K), dtype=x.dtype, device=x.device))
     if M:
-        bn = block_n or GEMV_CONFIG["block_n"]
-        bk = min(block_k or GEMV_CONFIG["block_k"], max(16, _pow2(K)))
         args = (x, r, norm_weight if norm else x, w, out,
                 new_res if new_res is not None else out, M, K, n_out, x.stride(0),
                 r.stride(0), w.stride(0), w.stride(1), eps, norm, residual is not None,
                 silu_mul, _pow2(M), bn, bk, not x.is_cuda)
         _GEMV.launch(hit, key, (-(-n_out // bn), 1), args, x.get_device(),
-                     num_warps=num_warps or GEMV_CONFIG["num_warps"], num_stages=2)
+                     num_warps=nw, num_stages=2)
     return out, new_res
 
 

@@ -657,6 +657,29 @@ def test_gemv_matches_reference(M, K, N, dtype, prologue, silu, layout, monkeypa
     assert err <= MATMUL_TOL[dtype], f"max error {float(err):.3g} of the output's scale"
 
 
+@pytest.mark.parametrize("tiling", [(8, 128, 2), (2, 32, 1), (16, 1024, 4)])
+@pytest.mark.parametrize("silu", [False, True])
+def test_gemv_tilings_match_reference(tiling, silu):
+    """Other tilings than the default (block_n, block_k, num_warps): K over several blocks
+    (the norm's two passes and the matmul's loop), partial blocks of N, each tiling compiled
+    under its own launch key (a cached launch of one tiling never runs with another's grid)."""
+    from eaglekv.kernels import fused
+    M, K, N = 3, 300, 40
+    x, r = randn(M, K, seed=1), randn(M, K, seed=2)
+    w = fused.column_major(randn(K, N, seed=4, scale=K ** -0.5))
+    nw = randn(K, seed=3, scale=0.2) + 1
+    want, want_res = fused.norm_matmul_torch(x.cpu(), r.cpu(), nw.cpu(), EPS,
+                                             w.cpu().contiguous(), silu_mul=silu)
+    for t in (tiling, None):                             # then the default: its own launch
+        bn, bk, nwarps = t or (None, None, None)
+        got, got_res = fused._triton_impl().gemv_triton(x, r, nw, EPS, w, silu,
+                                                       fused._check_gemv, block_n=bn,
+                                                       block_k=bk, num_warps=nwarps)
+        assert torch.equal(got_res.cpu(), want_res)
+        err = (got.cpu().double() - want.double()).abs().max() / want.double().abs().max()
+        assert err <= MATMUL_TOL[torch.float32], (t, float(err))
+
+
 def test_gemv_takes_only_decode_rows_of_column_major_weights(monkeypatch):
     from eaglekv.kernels import fused
     monkeypatch.setattr(fused, "FUSE_GEMV", True)
