@@ -8,7 +8,7 @@ import torch
 
 from eaglekv import KVIndexError, SamplingParams
 from eaglekv.cuda_graph import batch_buckets, no_gc
-from helpers import tiny_engine
+from helpers import spec, tiny_engine
 
 SP = SamplingParams(max_new_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 17, 42], list(range(1, 30)), [9] * 7]
@@ -73,6 +73,27 @@ def test_greedy_equals_cpu(tiny_dir, opts, batch):
         assert graphs is not None and graphs.replays >= SP.max_new_tokens - 1
     else:
         assert graphs is None
+    engine.check_memory()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("speculative", [None, spec("eagle", 3, 1, 4)],
+                         ids=["plain", "eagle-S3"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_gemv_graphs_greedy_equals_cpu(tiny_dir, monkeypatch, speculative, batch):
+    """Graphs captured with the Triton matrix-vector kernel (fused.FUSE_GEMV: the weights
+    column-major, add + RMSNorm and SiLU*mul inside the decode-sized matmuls) make the CPU's
+    greedy tokens in fp32, plain and speculative."""
+    from eaglekv.kernels import fused
+    prompts = PROMPTS[:batch]
+    cpu = [o.token_ids for o in tiny_engine(tiny_dir, speculative=speculative)
+           .generate(prompts, SP)]
+    monkeypatch.setattr(fused, "FUSE_GEMV", True)
+    engine = tiny_engine(tiny_dir, device="cuda", max_running_requests=4,
+                         speculative=speculative)
+    assert engine.model.layers[0].qkv.stride(0) == 1          # nn.Linear's layout
+    assert [o.token_ids for o in engine.generate(prompts, SP)] == cpu
     engine.check_memory()
 
 
