@@ -168,8 +168,11 @@ def part_gemv() -> list[dict]:
                     if silu:
                         fused.silu_and_mul(y, checked=False)
             best = {"shape": name, "M": M,
-                    "cublas_us": round(1e3 * graph_time(cublas) / copies, 2),
-                    "cublas_glue_us": round(1e3 * graph_time(glue) / copies, 2), "configs": []}
+                    "cublas_us": round(1e3 * graph_time(cublas) / copies, 2), "configs": []}
+            try:          # add_rms_norm's kernel holds rows up to 8192 wide (not 8b.down's)
+                best["cublas_glue_us"] = round(1e3 * graph_time(glue) / copies, 2)
+            except ValueError as e:
+                best["cublas_glue_us"] = repr(e)[:120]
             for bn in (2, 4, 8):
                 for bk in (256, 1024):
                     for nwarps in (2, 4):

@@ -255,6 +255,7 @@ def norm_matmul_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, 
     hit = _NORM_MATMUL.lookup(key)
     if hit is None:
         check(x, residual, norm_weight, w, silu_mul)
+    M, K = x.shape
     n_out = w.shape[1] // 2 if silu_mul else w.shape[1]
     out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     new_res = x if residual is None else torch.empty((M, K), dtype=x.dtype, device=x.device)

@@ -87,11 +87,10 @@ def test_gemv_graphs_greedy_equals_cpu(tiny_dir, monkeypatch, speculative, batch
     greedy tokens in fp32, plain and speculative."""
     from eaglekv.kernels import fused
     prompts = PROMPTS[:batch]
-    cpu = [o.token_ids for o in tiny_engine(tiny_dir, speculative=speculative)
-           .generate(prompts, SP)]
+    opts = {} if speculative is None else {"speculative": speculative}
+    cpu = [o.token_ids for o in tiny_engine(tiny_dir, **opts).generate(prompts, SP)]
     monkeypatch.setattr(fused, "FUSE_GEMV", True)
-    engine = tiny_engine(tiny_dir, device="cuda", max_running_requests=4,
-                         speculative=speculative)
+    engine = tiny_engine(tiny_dir, device="cuda", max_running_requests=4, **opts)
     assert engine.model.layers[0].qkv.stride(0) == 1          # nn.Linear's layout
     assert [o.token_ids for o in engine.generate(prompts, SP)] == cpu
     engine.check_memory()
