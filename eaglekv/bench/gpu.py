@@ -70,13 +70,16 @@ MODES = {"plain": None,
          "adaptive_1step": dict(adaptive=True),
          # graphs captured with the Triton matrix-vector kernel for decode-sized matmuls
          # (fused.FUSE_GEMV: add + RMSNorm before qkv and gate_up, SiLU*mul after gate_up,
-         # in one launch each; off by default)
+         # in one launch each; the default on CUDA since 2026-12-05), and without it (cuBLAS
+         # and the separate glue kernels, the way before)
          "plain_gemv": None,
-         "eagle_chain_S5K1N6_gemv": dict(num_steps=5, topk=1, num_draft_tokens=6)}
+         "eagle_chain_S5K1N6_gemv": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         "plain_cublas": None,
+         "eagle_chain_S5K1N6_cublas": dict(num_steps=5, topk=1, num_draft_tokens=6)}
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
-VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv")
+VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas")
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees")
 
 
@@ -116,7 +119,8 @@ def make_engine(args, mode: str, max_batch: int) -> Engine:
     name = split_mode(mode)[0]
     default = fused.FUSE_NORM_MATMUL, fused.FUSE_GEMV
     fused.FUSE_NORM_MATMUL = name == "plain_fused"
-    fused.FUSE_GEMV = default[1] or name.endswith("_gemv")
+    if name.endswith(("_gemv", "_cublas")):
+        fused.FUSE_GEMV = name.endswith("_gemv")
     try:                                                  # what the graphs capture
         with mode_checks(mode):
             return _make_engine(args, mode, max_batch)
@@ -622,19 +626,21 @@ def checks_vs_unchecked(result: dict) -> None:
 def chained_vs_1step(result: dict) -> None:
     """Multi-step decode and the speculative chains against one step a sync
     (`chained_vs_1step`, mode / mode_1step), and the Triton matrix-vector kernel against
-    cuBLAS and the separate glue kernels (`gemv_vs_cublas`, mode_gemv / mode): tokens/s."""
+    cuBLAS and the separate glue kernels (`gemv_vs_cublas`: mode_gemv / mode, or
+    mode / mode_cublas now that the kernel is the default): tokens/s."""
     modes = result["modes"]
     for key, suffix, gemv in (("chained_vs_1step", "_1step", False),
-                              ("gemv_vs_cublas", "_gemv", True)):
+                              ("gemv_vs_cublas", "_gemv", True),
+                              ("gemv_vs_cublas", "_cublas", False)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}
         if pairs:
-            result[key] = {
+            result.setdefault(key, {}).update({
                 m: {B: {"tokens_per_s": (modes[v]["rows"][B]["tokens_per_s"]
                                          / modes[m]["rows"][B]["tokens_per_s"]) ** (
                                              1 if gemv else -1)}
                     for B in modes[m]["rows"] if B in modes[v]["rows"]}
-                for m, v in pairs.items()}
+                for m, v in pairs.items()})
 
 
 def main(args) -> None:

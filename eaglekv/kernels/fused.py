@@ -184,11 +184,22 @@ def norm_matmul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
 # ------------------------------------------------------------------------------------ gemv
 
 GEMV_MAX_ROWS = 4            # decode-sized batches; from 8 rows on cuBLAS's tiles win
-# Off by default: measured on the H200 (bench/results/explore_gemv_h200.json, 2026-12-04) the
-# best block sizes of this kernel run SmolLM2's decode matmuls in 5.1-9.6 us against cuBLAS's
-# 3.3-5.1 us (the 8B's in 28-105 against 13-57), and plain decoding at batch 1 drops from 958
-# to 782 tok/s with it. EAGLEKV_GEMV=1 turns it on (weights re-laid out at load, model/llama.py).
-FUSE_GEMV = os.environ.get("EAGLEKV_GEMV") == "1"
+# On by default on CUDA since 2026-12-05: at the tiling of `fused_triton.GEMV_CONFIG` the
+# kernel with the add + RMSNorm prologue runs SmolLM2's qkv in 3.3 us where cuBLAS and the
+# separate norm kernel take 5.4 (gate_up with SiLU*mul: 4.7 against 7.5; o and down 2.9 / 4.7
+# against cuBLAS's 3.6 / 5.2), and plain decoding at batch 1 / 2 / 4 ran 1.25x / 1.15x /
+# 1.05x the cuBLAS graphs on an H100 (1234 against 988 tok/s;
+# bench/results/gpu_bench_h100_20261205b_gemv_small_batches.json). Before that tiling (8 rows a
+# program, K in 256-wide blocks) it was slower than cuBLAS (958 -> 782 tok/s on the H200) and
+# shipped off. None: on for CUDA tensors; EAGLEKV_GEMV=0 turns it off (False), =1 on wherever
+# Triton runs (True: the CPU interpreter in tests). Read when a model is built (the weights'
+# layout) and when a graph is captured.
+FUSE_GEMV: bool | None = {"0": False, "1": True}.get(os.environ.get("EAGLEKV_GEMV", ""))
+
+
+def gemv_on(device: torch.device) -> bool:
+    """Whether decode-sized matmuls on `device` go to the gemv kernel (see FUSE_GEMV)."""
+    return device.type == "cuda" if FUSE_GEMV is None else FUSE_GEMV
 
 
 def column_major(w: torch.Tensor) -> torch.Tensor:
@@ -201,7 +212,7 @@ def column_major(w: torch.Tensor) -> torch.Tensor:
 def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
     """The gemv kernel takes this matmul: on, a decode-sized x (M <= GEMV_MAX_ROWS) on a
     Triton device and a column-major w (see `column_major`)."""
-    return (FUSE_GEMV and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS
+    return (gemv_on(x.device) and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS
             and w.dim() == 2 and w.stride(0) == 1 and w.shape[1] > 1 and use_triton(x))
 
 

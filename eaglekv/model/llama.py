@@ -231,7 +231,7 @@ class LlamaForCausalLM:
             p = f"layers.{i}."
             self.layers.append(DecoderLayer(cfg, {n[len(p):]: v for n, v in w.items()
                                                   if n.startswith(p)}, fused=True))
-        if self.device.type == "cuda" and fused.FUSE_GEMV:
+        if self.device.type == "cuda" and fused.gemv_on(self.device):
             # the (in, out) matrices stored as nn.Linear's (out, in) rows: the decode-sized
             # matmuls go to the gemv kernel (kernels/fused.py), the others to cuBLAS
             for layer in self.layers:

@@ -236,19 +236,20 @@ def test_chained_modes_are_compared_with_one_step_a_sync():
 
 
 def test_gemv_modes_are_compared_with_cublas(monkeypatch):
-    """`*_gemv` modes capture their graphs with the Triton matrix-vector kernel
-    (fused.FUSE_GEMV on while the engine is built, put back after): `gemv_vs_cublas` is
-    mode_gemv / mode per batch, and a `_gemv` mode is not one of adaptive's fixed shapes."""
+    """`*_gemv` / `*_cublas` modes capture their graphs with / without the Triton
+    matrix-vector kernel (fused.FUSE_GEMV set while the engine is built, put back after; the
+    other modes as shipped): `gemv_vs_cublas` is mode_gemv / mode or mode / mode_cublas per
+    batch, and neither is one of adaptive's fixed shapes."""
     from eaglekv.bench import gpu
     from eaglekv.kernels import fused
 
     def row(*tps):
         return {"rows": {1: {"tokens_per_s": tps[0]}, 4: {"tokens_per_s": tps[1]}}}
-    result = {"modes": {"plain": row(10, 40), "plain_gemv": row(12, 38),
+    result = {"modes": {"plain": row(12, 38), "plain_cublas": row(10, 40),
                         "eagle_chain_S5K1N6": row(20, 60),
                         "eagle_chain_S5K1N6_gemv": row(30, 60), "adaptive": row(20, 60)}}
     gpu.chained_vs_1step(result)
-    assert {m: {B: r["tokens_per_s"] for B, r in rows.items()}
+    assert {m: {B: round(r["tokens_per_s"], 9) for B, r in rows.items()}
             for m, rows in result["gemv_vs_cublas"].items()} == {
         "plain": {1: 1.2, 4: 0.95}, "eagle_chain_S5K1N6": {1: 1.5, 4: 1.0}}
     gpu.compare(result)
@@ -256,7 +257,9 @@ def test_gemv_modes_are_compared_with_cublas(monkeypatch):
     seen = []
     monkeypatch.setattr(gpu, "_make_engine", lambda args, mode, b: seen.append(
         (mode, fused.FUSE_GEMV)))
-    for mode in ("plain_gemv", "plain", "eagle_chain_S5K1N6_gemv"):
+    monkeypatch.setattr(fused, "FUSE_GEMV", None)                  # the default: CUDA only
+    for mode in ("plain_gemv", "plain", "plain_cublas", "eagle_chain_S5K1N6_gemv"):
         gpu.make_engine(None, mode, 1)
-    assert seen == [("plain_gemv", True), ("plain", False), ("eagle_chain_S5K1N6_gemv", True)]
-    assert not fused.FUSE_GEMV
+    assert seen == [("plain_gemv", True), ("plain", None), ("plain_cublas", False),
+                    ("eagle_chain_S5K1N6_gemv", True)]
+    assert fused.FUSE_GEMV is None

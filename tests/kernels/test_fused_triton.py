@@ -632,7 +632,7 @@ def test_gemv_matches_reference(M, K, N, dtype, prologue, silu, layout, monkeypa
     in the (in, out) one: the new residual bit-identical, the output within the matmul's
     rounding relative to its scale."""
     from eaglekv.kernels import fused
-    monkeypatch.setattr(fused, "FUSE_GEMV", True)        # off by default (slower on the H200)
+    monkeypatch.setattr(fused, "FUSE_GEMV", True)        # the CPU interpreter too
     x = randn(M, K, dtype=dtype, seed=1)
     w = randn(K, N, dtype=dtype, seed=4, scale=K ** -0.5)
     if layout == "column_major":
@@ -689,6 +689,9 @@ def test_gemv_takes_only_decode_rows_of_column_major_weights(monkeypatch):
     assert not fused.use_gemv(randn(1, 64), randn(64, 32))                # (in, out) rows
     monkeypatch.setattr(fused, "FUSE_GEMV", False)
     assert not fused.use_gemv(randn(1, 64), w)
+    monkeypatch.setattr(fused, "FUSE_GEMV", None)                 # the default: CUDA only
+    assert fused.use_gemv(randn(1, 64), w) == (DEV == "cuda")
+    assert fused.gemv_on(torch.device("cuda")) and not fused.gemv_on(torch.device("cpu"))
     with pytest.raises(ValueError, match=r"gemv: w has shape \(32, 8\), expected \(64, \*\)"):
         fused.gemv(randn(2, 64), randn(32, 8))
 
