@@ -68,10 +68,11 @@ MODES = {"plain": None,
          "eagle3_tree_S6K4N16_1step": dict(algorithm="eagle3", num_steps=6, topk=4,
                                            num_draft_tokens=16),
          "adaptive_1step": dict(adaptive=True),
-         # graphs captured with the Triton matrix-vector kernel for decode-sized matmuls
-         # (fused.FUSE_GEMV: add + RMSNorm before qkv and gate_up, SiLU*mul after gate_up,
-         # in one launch each; the default on CUDA since 2026-12-05), and without it (cuBLAS
-         # and the separate glue kernels, the way before)
+         # the Triton matrix-vector kernel for decode-sized matmuls (fused.FUSE_GEMV): as
+         # shipped since 2026-12-05 it takes qkv and gate_up with add + RMSNorm before and
+         # SiLU*mul after (one launch each, cuBLAS the bare matmuls); `_gemv` puts every
+         # matmul in it (EAGLEKV_GEMV=1, as measured on the H100 that day), `_cublas` none
+         # (cuBLAS and the separate glue kernels, the way before)
          "plain_gemv": None,
          "eagle_chain_S5K1N6_gemv": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "plain_cublas": None,

@@ -169,7 +169,7 @@ def norm_matmul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     there) the Triton kernel takes M <= NORM_MATMUL_MAX_ROWS (a decode-sized batch: three
     launches become one); otherwise the separate ops run, the matmul through `matmul(h, w)`
     (default `h @ w`)."""
-    if use_gemv(x, w):
+    if use_gemv(x, w, fused=True):
         return _triton_impl().gemv_triton(x, residual, norm_weight, float(eps), w, silu_mul,
                                           _check_gemv)
     if (FUSE_NORM_MATMUL and use_triton(x) and x.shape[0] <= NORM_MATMUL_MAX_ROWS
@@ -184,22 +184,27 @@ def norm_matmul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
 # ------------------------------------------------------------------------------------ gemv
 
 GEMV_MAX_ROWS = 4            # decode-sized batches; from 8 rows on cuBLAS's tiles win
-# On by default on CUDA since 2026-12-05: at the tiling of `fused_triton.GEMV_CONFIG` the
-# kernel with the add + RMSNorm prologue runs SmolLM2's qkv in 3.3 us where cuBLAS and the
-# separate norm kernel take 5.4 (gate_up with SiLU*mul: 4.7 against 7.5; o and down 2.9 / 4.7
-# against cuBLAS's 3.6 / 5.2), and plain decoding at batch 1 / 2 / 4 ran 1.25x / 1.15x /
-# 1.05x the cuBLAS graphs on an H100 (1234 against 988 tok/s;
-# bench/results/gpu_bench_h100_20261205b_gemv_small_batches.json). Before that tiling (8 rows a
-# program, K in 256-wide blocks) it was slower than cuBLAS (958 -> 782 tok/s on the H200) and
-# shipped off. None: on for CUDA tensors; EAGLEKV_GEMV=0 turns it off (False), =1 on wherever
-# Triton runs (True: the CPU interpreter in tests). Read when a model is built (the weights'
-# layout) and when a graph is captured.
+# On by default on CUDA since 2026-12-05 for the matmuls it carries glue with: at the tiling of
+# `fused_triton.GEMV_CONFIG` the kernel with the add + RMSNorm prologue runs SmolLM2's qkv in
+# 3.3 us where cuBLAS and the separate norm kernel take 5.4, gate_up with SiLU*mul 4.8 against
+# 7.5 (M = 1, H100, bench/results/explore_gemv_fused_h100_20261205.json), three launches a layer
+# fewer; plain decoding at batch 1 / 2 / 4 ran 1.25x / 1.15x / 1.05x the cuBLAS graphs
+# (1234 against 988 tok/s, gpu_bench_h100_20261205b_gemv_small_batches.json, every matmul of
+# a layer in the kernel then). A bare matmul (o, down, lm_head) stays with cuBLAS by default:
+# alone the kernel only ties it (o 3.46 / 3.55 us) or loses (down 5.64 / 5.15, the 8B's down
+# 47.2 / 44.2, lm_head 23.6 / 22.8; explore_gemv2_h100_20261205.json). Before this tiling
+# (8 rows a program, K in 256-wide blocks) the kernel was slower than cuBLAS everywhere
+# (958 -> 782 tok/s on the H200) and shipped off.
+# None (the default): the fused matmuls on CUDA; EAGLEKV_GEMV=0: off (False); =1: every
+# decode-sized matmul wherever Triton runs (True: the CPU interpreter in tests, and the bench's
+# `*_gemv` modes). Read when a model is built (the weights' layout) and when graphs capture.
 FUSE_GEMV: bool | None = {"0": False, "1": True}.get(os.environ.get("EAGLEKV_GEMV", ""))
 
 
-def gemv_on(device: torch.device) -> bool:
-    """Whether decode-sized matmuls on `device` go to the gemv kernel (see FUSE_GEMV)."""
-    return device.type == "cuda" if FUSE_GEMV is None else FUSE_GEMV
+def gemv_on(device: torch.device, fused: bool = True) -> bool:
+    """Whether decode-sized matmuls on `device` go to the gemv kernel (see FUSE_GEMV):
+    `fused`, one that carries the norm prologue (qkv, gate_up); else a bare matmul."""
+    return (device.type == "cuda" and fused) if FUSE_GEMV is None else FUSE_GEMV
 
 
 def column_major(w: torch.Tensor) -> torch.Tensor:
@@ -209,10 +214,11 @@ def column_major(w: torch.Tensor) -> torch.Tensor:
     return w.t().contiguous().t()
 
 
-def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """The gemv kernel takes this matmul: on, a decode-sized x (M <= GEMV_MAX_ROWS) on a
-    Triton device and a column-major w (see `column_major`)."""
-    return (gemv_on(x.device) and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS
+def use_gemv(x: torch.Tensor, w: torch.Tensor, fused: bool = False) -> bool:
+    """The gemv kernel takes this matmul: on for it (`gemv_on`; `fused`: with the norm
+    prologue), a decode-sized x (M <= GEMV_MAX_ROWS) on a Triton device and a column-major w
+    (see `column_major`)."""
+    return (gemv_on(x.device, fused) and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS
             and w.dim() == 2 and w.stride(0) == 1 and w.shape[1] > 1 and use_triton(x))
 
 

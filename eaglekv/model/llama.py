@@ -233,9 +233,13 @@ class LlamaForCausalLM:
                                                   if n.startswith(p)}, fused=True))
         if self.device.type == "cuda" and fused.gemv_on(self.device):
             # the (in, out) matrices stored as nn.Linear's (out, in) rows: the decode-sized
-            # matmuls go to the gemv kernel (kernels/fused.py), the others to cuBLAS
+            # matmuls go to the gemv kernel (kernels/fused.py), the others to cuBLAS; by
+            # default only those that carry the norm (qkv, gate_up), the bare ones too where
+            # every matmul takes the kernel (EAGLEKV_GEMV=1)
+            names = ("qkv", "gate_up") + (("o", "down") if fused.gemv_on(self.device, False)
+                                          else ())
             for layer in self.layers:
-                for name in ("qkv", "o", "gate_up", "down"):
+                for name in names:
                     setattr(layer, name, column_major(getattr(layer, name)))
         self.rope = RotaryEmbedding(cfg.hf_config, cfg.head_dim,
                                     max_positions or cfg.max_position_embeddings, device)
