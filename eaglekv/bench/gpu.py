@@ -76,11 +76,15 @@ MODES = {"plain": None,
          "plain_gemv": None,
          "eagle_chain_S5K1N6_gemv": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "plain_cublas": None,
-         "eagle_chain_S5K1N6_cublas": dict(num_steps=5, topk=1, num_draft_tokens=6)}
+         "eagle_chain_S5K1N6_cublas": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         # the fused matmuls in the kernel up to 8 rows (fused.GEMV_MAX_ROWS = 8, shipped 4):
+         # S5's verify at batch 1 (6 rows) then carries its norms too; not yet measured
+         "eagle_chain_S5K1N6_gemv8": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         "plain_gemv8": None}
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
-VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas")
+VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8")
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees")
 
 
@@ -118,15 +122,17 @@ def sync() -> None:
 def make_engine(args, mode: str, max_batch: int) -> Engine:
     from eaglekv.kernels import fused
     name = split_mode(mode)[0]
-    default = fused.FUSE_NORM_MATMUL, fused.FUSE_GEMV
+    default = fused.FUSE_NORM_MATMUL, fused.FUSE_GEMV, fused.GEMV_MAX_ROWS
     fused.FUSE_NORM_MATMUL = name == "plain_fused"
     if name.endswith(("_gemv", "_cublas")):
         fused.FUSE_GEMV = name.endswith("_gemv")
+    if name.endswith("_gemv8"):
+        fused.GEMV_MAX_ROWS = 8
     try:                                                  # what the graphs capture
         with mode_checks(mode):
             return _make_engine(args, mode, max_batch)
     finally:
-        fused.FUSE_NORM_MATMUL, fused.FUSE_GEMV = default
+        fused.FUSE_NORM_MATMUL, fused.FUSE_GEMV, fused.GEMV_MAX_ROWS = default
 
 
 def _make_engine(args, mode: str, max_batch: int) -> Engine:

@@ -256,10 +256,12 @@ def test_gemv_modes_are_compared_with_cublas(monkeypatch):
     assert result["adaptive_vs"][1]["best_fixed"] == 1.0      # 20 / 20, not 20 / 30
     seen = []
     monkeypatch.setattr(gpu, "_make_engine", lambda args, mode, b: seen.append(
-        (mode, fused.FUSE_GEMV)))
+        (mode, fused.FUSE_GEMV, fused.GEMV_MAX_ROWS)))
     monkeypatch.setattr(fused, "FUSE_GEMV", None)                  # the default: CUDA only
-    for mode in ("plain_gemv", "plain", "plain_cublas", "eagle_chain_S5K1N6_gemv"):
+    for mode in ("plain_gemv", "plain", "plain_cublas", "eagle_chain_S5K1N6_gemv",
+                 "eagle_chain_S5K1N6_gemv8"):
         gpu.make_engine(None, mode, 1)
-    assert seen == [("plain_gemv", True), ("plain", None), ("plain_cublas", False),
-                    ("eagle_chain_S5K1N6_gemv", True)]
-    assert fused.FUSE_GEMV is None
+    assert seen == [("plain_gemv", True, 4), ("plain", None, 4), ("plain_cublas", False, 4),
+                    ("eagle_chain_S5K1N6_gemv", True, 4),
+                    ("eagle_chain_S5K1N6_gemv8", None, 8)]
+    assert fused.FUSE_GEMV is None and fused.GEMV_MAX_ROWS == 4

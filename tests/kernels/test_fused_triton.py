@@ -616,8 +616,9 @@ def test_norm_matmul_bad_arguments_name_the_value(fuse_norm_matmul):
 # ------------------------------------------------------------------------------------ gemv
 # (M, K, N): decode rows of the default model's matmuls (qkv, o, gate_up, down) on the GPU,
 # partial blocks of BLOCK_N and BLOCK_K under the interpreter
-GEMV_SHAPES = [(1, 64, 96), (3, 96, 40), (4, 300, 24)] + (
-    [(1, 576, 960), (2, 576, 576), (1, 576, 2 * 1536), (4, 1536, 576), (1, 4096, 6144)]
+GEMV_SHAPES = [(1, 64, 96), (3, 96, 40), (4, 300, 24), (6, 64, 40)] + (
+    [(1, 576, 960), (2, 576, 576), (1, 576, 2 * 1536), (4, 1536, 576), (1, 4096, 6144),
+     (6, 576, 960), (8, 576, 2 * 1536)]       # the bench's gemv8 modes: S5's verify rows
     if ON_GPU else [])
 
 
@@ -637,7 +638,7 @@ def test_gemv_matches_reference(M, K, N, dtype, prologue, silu, layout, monkeypa
     w = randn(K, N, dtype=dtype, seed=4, scale=K ** -0.5)
     if layout == "column_major":
         w = fused.column_major(w)
-        assert w.stride(0) == 1 and fused.use_gemv(x, w)
+        assert w.stride(0) == 1 and fused.use_gemv(x, w) == (M <= fused.GEMV_MAX_ROWS)
     if prologue == "none":
         if silu:
             pytest.skip("gemv alone has no SiLU epilogue")
