@@ -239,18 +239,23 @@ def guard_segments(starts: torch.Tensor, lens: tuple[int, ...], width: int,
     """Offsets of n packed segments into a buffer of `width` entries (a draft step's
     kv_indptr into its kv_indices row): segment i is `[starts[i], starts[i] + lens[i])` and
     starts at `sum(lens[:i])`, the end of the one before; an offset anywhere else reads
-    another branch's slots or past the buffer (an empty segment, a padded graph row, may
-    start anywhere). CPU: checked at once (`KVIndexError` naming
-    the first wrong offset and where it had to be); CUDA: the range alone, through the device
-    error buffer (no sync)."""
+    another branch's slots or past the buffer. An empty segment (a padded graph row, or a row
+    frozen inside a chain of captured steps) reads nothing and may start anywhere, and the
+    segment after it may start past the end of the one before it, never before: the list of
+    a frozen row keeps the entries its writer laid out (the draft's `it` entries) while its
+    read length is 0. CPU: checked at once (`KVIndexError` naming the first wrong offset and
+    where it had to be); CUDA: the range alone, through the device error buffer (no sync)."""
     n = len(lens)
     if not FLAGS.checks:
         return starts
     if not starts.is_cuda:
-        want = 0
+        want, gap_ok = 0, False
         for i, s in enumerate(starts[:n].tolist()):
-            if not lens[i]:       # reads nothing (a padded graph row): any offset will do
+            if not lens[i]:       # reads nothing: any offset will do, and may leave a gap
+                gap_ok = True
                 continue
+            if gap_ok and want <= s <= width - lens[i]:
+                want, gap_ok = s, False
             if s != want or want + lens[i] > width:
                 raise KVIndexError(f"{op} (segment {i} of {n} starts at {want})", s,
                                    want + 1 if want + lens[i] <= width else width, 1, n,

@@ -428,3 +428,26 @@ def test_unchecked_switch_is_scoped():
     with pytest.raises(RuntimeError), guard.unchecked():
         raise RuntimeError("inside")
     assert guard.checks_enabled()
+
+
+@pytest.mark.parametrize("starts,lens,width,ok", [
+    ([0, 3, 5], (3, 2, 1), 6, True),          # packed
+    ([0, 2], (3, 2), 8, False),               # overlaps the segment before
+    ([0, 4], (3, 2), 8, False),               # a gap with no empty segment before it
+    ([0, 3, 5], (3, 0, 2), 8, True),          # a frozen row's 2 entries left in place
+    ([0, 9, 3], (3, 0, 2), 8, True),          # an empty segment's own offset is never read
+    ([0, 3, 2], (3, 0, 2), 8, False),         # after an empty one, still not before the end
+    ([0, 3, 7], (3, 0, 2), 8, False),         # nor past the buffer
+])
+def test_draft_segments_on_cpu(starts, lens, width, ok):
+    """`guard_segments` on the CPU: each non-empty segment starts where the one before ended,
+    or, after an empty segment (a padded row, or a row frozen inside a chain whose list keeps
+    the entries its writer laid out), anywhere from there on; never overlapping, never past
+    the buffer."""
+    from eaglekv.kernels import guard
+    t = torch.tensor(starts)
+    if ok:
+        assert guard.guard_segments(t, lens, width, "draft kv_indptr") is t
+    else:
+        with pytest.raises(KVIndexError, match="draft kv_indptr"):
+            guard.guard_segments(t, lens, width, "draft kv_indptr")

@@ -920,6 +920,42 @@ def test_held_choices_run_as_speculative_chains(tiny_dir, monkeypatch):
     assert eng.allocator.is_full()
 
 
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests capture the real graphs")
+def test_held_chains_of_a_batch_with_uneven_budgets(tiny_dir, monkeypatch):
+    """Three requests with different budgets speculating as one batch, the held steps chained
+    (capture=False replays of the step graphs): a request whose budget runs out inside a
+    chain is frozen there (a padded row from then on, its draft list left in place, which
+    the CPU's packed-segment check allows) while the others go on. Greedy equals plain
+    decoding token for token, every request stops at its own budget, and the allocator is
+    back to full. (The CPU check refused the frozen row's list until 2026-12-05.)"""
+    from eaglekv.speculative.graphs import SpecStepGraphs
+    monkeypatch.setenv("EAGLEKV_TRITON_ON_CPU", "1")
+    budgets = [9, 16, 13]
+    plain = tiny_engine(tiny_dir, max_running_requests=3)
+    make_predictable(plain, 0.0, 0.0)       # the bigram target, every draft token right
+    want = [o.token_ids for o in plain.generate(
+        PROMPTS[:3], [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in budgets])]
+    eng = adaptive_engine(tiny_dir, costs={PLAIN: 1.0, S3.label: 1.3}, max_running_requests=3,
+                          attention_backend="triton", max_context_len=64)
+    make_predictable(eng, 0.0, 0.0)
+    w = eng.runner
+    for worker in w.workers.values():
+        worker.slots.hold_both = True
+        worker.step_graphs = SpecStepGraphs(worker, 4, progress=False, capture=False)
+        worker.chain_steps = 4
+    w.policy.hold_spec = 3
+    g = w.workers[S3].step_graphs
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+            for p, n in zip(PROMPTS[:3], budgets)]
+    while eng.has_unfinished():
+        eng.step()
+        eng.check_memory()
+    assert [r.output_ids for r in reqs] == want
+    assert [len(r.output_ids) for r in reqs] == budgets
+    assert g.chains >= 1 and g.replays > g.chains
+    assert eng.allocator.is_full()
+
+
 def test_a_chain_whose_requests_keep_different_step_counts_is_observed_per_step(tiny_dir):
     """A chain's requests may keep different numbers of its steps (a budget that runs out
     inside the chain stops its request there): each step is observed with the requests that
