@@ -659,7 +659,12 @@ def main(args) -> None:
               "model": args.model, "model_short": os.path.basename(str(args.model)),
               "dtype": args.dtype, "new_tokens": args.new_tokens, "repeats": args.repeats,
               "waves": getattr(args, "waves", 1),
-              "command": args.command_line, "modes": {}}
+              "command": args.command_line,
+              # the switches that change what runs (e.g. EAGLEKV_GEMV): a figure is read
+              # with them
+              "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("EAGLEKV_")
+                      and k != "EAGLEKV_CACHE"},
+              "modes": {}}
     t = time.perf_counter()
     result["modes"] = run_modes(args, modes, batches)
     result["seconds"] = time.perf_counter() - t
