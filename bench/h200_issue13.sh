@@ -4,6 +4,8 @@
 #   bench/h200_issue13.sh bench   # assemble SmolLM2, `eaglekv bench --device cuda`, the floor
 #   bench/h200_issue13.sh checks  # what the index checks cost (kernels, then checked vs unchecked)
 #   bench/h200_issue13.sh chains  # speculative chains (and multi-step plain) vs one step a sync
+#   bench/h200_issue13.sh gemv    # the gemv kernel: shipped split vs every matmul vs none, S5's
+#                                 # verify in it (gemv8), checked vs unchecked (the kernel rewrites)
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
 #   bench/h200_issue13.sh memcheck [PATHS]  # the same under compute-sanitizer memcheck
 # bench env: MODES, BATCHES (1,4,16,64), NEW_TOKENS, WAVES (1: one batch; K: B in flight, B x K
@@ -48,6 +50,10 @@ case "${1:-bench}" in
     # multi-step plain decoding against one step a sync, in one process
     MODES=${MODES:-plain,plain_1step,eagle_chain_S5K1N6,eagle_chain_S5K1N6_1step,eagle3_chain_S5K1N6,eagle3_chain_S5K1N6_1step,eagle3_tree_S6K4N16,eagle3_tree_S6K4N16_1step,adaptive,adaptive_1step} \
       LLAMA8B=${LLAMA8B:-" "} FLOOR=0 "$0" bench
+    ;;
+  gemv)
+    MODES=${MODES:-plain,plain_gemv,plain_cublas,eagle_chain_S5K1N6,eagle_chain_S5K1N6_gemv8,eagle_chain_S5K1N6_cublas,plain_unchecked} \
+      BATCHES=${BATCHES:-1,2,4,16,64} LLAMA8B=${LLAMA8B:-" "} FLOOR=${FLOOR:-0} "$0" bench
     ;;
   tests)
     shift
