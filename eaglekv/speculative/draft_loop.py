@@ -7,7 +7,7 @@ goes into the pool the tree is organised from (layout in `eaglekv.speculative.tr
 
 With topk == 1 and temperature > 0 the single branch *samples* its token from the draft's
 processed distribution q (recorded, so acceptance can use min(1, p/q)); otherwise the
-candidates are deterministic top-k picks.
+candidates are deterministic top-k picks (a greedy chain's scores are 0: see `_choose`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eaglekv.kernels.greedy import greedy_pick
 from eaglekv.sampling import target_probs
 
 
@@ -62,11 +63,23 @@ class DraftLoop:
         self.drafter, self.S, self.K = drafter, num_steps, topk
 
     def _choose(self, logits: torch.Tensor, reqs, sample_chain: bool):
-        """(n, V) draft logits -> (tokens (n, K), log-probs (n, K), q (n, V) or None)."""
+        """(n, V) draft logits -> (tokens (n, K), log-probs (n, K), q (n, V) or None).
+
+        A greedy chain (K == 1, not sampled) returns log-probs 0: its tree is its first N - 1
+        nodes whatever its scores are (cumulative log-probs only fall along a chain, and
+        `organize` breaks ties to the lower pool index, so constant scores select the same
+        nodes), and the log-softmax and max that computed them were 23 us of each draft step
+        on an H100 at batch 1 (2026-12-05), 7% of an S5 step. Its token is the argmax of the
+        logits (`greedy_pick`: one Triton launch on CUDA)."""
+        if not sample_chain and self.K == 1:
+            if logits.is_cuda:
+                tok = greedy_pick(logits.contiguous())[:, :1]                  # (n, 1)
+            else:
+                tok = logits.argmax(-1, keepdim=True)
+            return tok, torch.zeros(tok.shape, dtype=torch.float32, device=tok.device), None
         logp = torch.log_softmax(logits.float(), -1)                       # (n, V)
-        if not sample_chain:
-            # a chain's pick is one reduction (max); topk is a 4-5 kernel radix select on CUDA
-            lp, tok = logp.max(-1, keepdim=True) if self.K == 1 else logp.topk(self.K, -1)
+        if not sample_chain:       # topk is a 4-5 kernel radix select on CUDA
+            lp, tok = logp.topk(self.K, -1)
             return tok, lp, None                                            # (n, K) each
         # topk == 1 with sampling: x ~ q by the exponential race argmax(q / E), E ~ Exp(1)
         q = processed_probs(logits, [r.params for r in reqs])               # (n, V)

@@ -1,5 +1,5 @@
-"""The draft loop's chain path (topk == 1: max instead of a top-k select, the one child kept
-without a select or gather) against the candidate pool written out by hand."""
+"""The draft loop's chain path (topk == 1: an argmax instead of a top-k select, scores 0, the
+one child kept without a select or gather) against the candidate pool written out by hand."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from eaglekv.speculative.draft_loop import DraftLoop
+from eaglekv.speculative.tree import organize
 
 
 class StepDrafter:
@@ -28,7 +29,7 @@ class StepDrafter:
 
 
 @pytest.mark.parametrize("B,S,seed", [(1, 1, 0), (1, 5, 1), (3, 4, 2), (8, 6, 3)])
-def test_chain_pool_is_argmax_chain_with_cumulative_scores(B, S, seed):
+def test_chain_pool_is_argmax_chain_with_zero_scores(B, S, seed):
     V, H = 50, 8
     g = torch.Generator().manual_seed(100 + seed)
     root_logits, root_hidden = torch.randn(B, V, generator=g) * 3, torch.randn(B, H, generator=g)
@@ -41,9 +42,14 @@ def test_chain_pool_is_argmax_chain_with_cumulative_scores(B, S, seed):
     logits = [root_logits] + [drafter.logits[i] for i in range(S - 1)]
     lp = [torch.log_softmax(x, -1) for x in logits]
     tokens = torch.stack([x.argmax(-1) for x in lp], 1)                        # (B, S)
-    picked = torch.stack([x.max(-1).values for x in lp], 1)
     assert torch.equal(pool.tokens, tokens)
-    torch.testing.assert_close(pool.scores, picked.cumsum(1))
+    assert torch.equal(pool.scores, torch.zeros(B, S))
+    # the tree a chain's scores select is its first N - 1 nodes, with the cumulative
+    # log-probs (what they were until 2026-12-05) as with zeros, for every N
+    cumulative = torch.stack([x.max(-1).values for x in lp], 1).cumsum(1)
+    for N in range(2, S + 2):
+        assert torch.equal(organize(pool.scores, N), organize(cumulative, N))
+        assert torch.equal(organize(pool.scores, N), torch.arange(N - 1).expand(B, N - 1))
     assert torch.equal(pool.parents, torch.arange(-1, S - 1).expand(B, S))
     assert pool.probs is None
     # draft forward i reads the token picked at step i at position seq_len + i, and the
