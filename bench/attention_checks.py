@@ -91,6 +91,7 @@ def graph_of(kind: str, B: int, variant: str):
     prologue, fn = runner(kind, B, once)
     at.CHECK_LEVEL = max(level, 1)
     at.DECODE_STAGES = at.DEFAULT_STAGES if base.endswith("p") else 1
+    at.UNCHECKED_STAGES = at.DEFAULT_STAGES if base.endswith("p") else 1
     at.SHORT_EXTEND = 0 if base.endswith("p") else 64
     rows = re.search(r"r(\d+)", tile)
     cols = re.search(r"n(\d+)", tile)

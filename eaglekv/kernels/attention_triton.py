@@ -51,9 +51,26 @@ if CHECK_LEVEL not in (1, 2):     # 3 does not record: set only by bench/attenti
 # few tiles do not fill a pipeline, so decode and short extends (verify windows, draft
 # extends) run unpipelined, as the unchecked kernels always did; a prefill keeps Triton's
 # default. Not yet timed on the H200 this way (`bench/attention_checks.py` does).
+# Since the once-a-forward check (2026-12-05) the target's layers run the unchecked kernels,
+# and on the H200 those ran faster at Triton's default stages than unpipelined
+# (`bench/attention_checks.py`, variants "0p" / "0", one process, 2026-12-05 04:36,
+# bench/results/attention_checks_h200_20261205.json): extend 10.2 / 11.6 us a launch at batch
+# 1 (an S5 verify) and 12.2 / 13.4 at 64, decode 4.35 / 4.43 and 8.74 / 9.14. So the unchecked
+# kernels take `UNCHECKED_STAGES`; the checked ones (a draft's attention, `layer_checks()`)
+# stay unpipelined (`key_loop_stages`).
 DECODE_STAGES = 1
 SHORT_EXTEND = 64
 DEFAULT_STAGES = 3
+UNCHECKED_STAGES = DEFAULT_STAGES
+
+
+def key_loop_stages(check: int, short: bool) -> int:
+    """num_stages of a decode (`short`) or extend kernel's key loop at check level `check`:
+    unchecked, UNCHECKED_STAGES; checked, DECODE_STAGES (1: unpipelined) for a decode or a
+    short extend, Triton's default for a long one (a prefill)."""
+    if check == 0:
+        return UNCHECKED_STAGES
+    return DECODE_STAGES if short else DEFAULT_STAGES
 # The tile of a short extend (exploring, bench/attention_checks.py): a program holds at least
 # SHORT_MIN_ROWS rows of queries x heads (None: at least 16 queries, whatever the group) and
 # keys in tiles of SHORT_BLOCK_N. Compiled for sm_90, SmolLM2's verify tile (16 queries x 4
@@ -365,7 +382,8 @@ def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scal
         call_id, size_limit, table.numel(), scale * _LOG2E, *q.stride(), *out.stride(),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         H=H, G=G, GP=GP, D=D, DP=DP, BLOCK_N=block_n, SPLITS=num_splits,
-        F32DOT=_f32_dot(q.dtype), CHECK=check, num_warps=4, num_stages=DECODE_STAGES)
+        F32DOT=_f32_dot(q.dtype), CHECK=check, num_warps=4,
+        num_stages=key_loop_stages(check, True))
     if num_splits > 1:
         _merge_kernel[(B, H)](mid_o, mid_lse, out, *out.stride(), H=H, D=D, DP=DP,
                               SPLITS=num_splits, SP=triton.next_power_of_2(num_splits),
@@ -413,6 +431,6 @@ def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, 
         G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m, BLOCK_N=block_n, CUSTOM=custom,
         F32DOT=_f32_dot(q.dtype), CHECK=check,
         num_warps=8 if block_m * GP >= 128 else 4,
-        num_stages=1 if short else DEFAULT_STAGES)
+        num_stages=key_loop_stages(check, short))
     guard.after_launch()
     return out
