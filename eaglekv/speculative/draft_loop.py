@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from eaglekv.kernels.greedy import greedy_pick
+from eaglekv.kernels.store_cache import use_triton
 from eaglekv.sampling import target_probs
 
 
@@ -72,7 +73,7 @@ class DraftLoop:
         on an H100 at batch 1 (2026-12-05), 7% of an S5 step. Its token is the argmax of the
         logits (`greedy_pick`: one Triton launch on CUDA)."""
         if not sample_chain and self.K == 1:
-            if logits.is_cuda:
+            if use_triton(logits):      # CUDA (and the Triton interpreter in tests)
                 tok = greedy_pick(logits.contiguous())[:, :1]                  # (n, 1)
             else:
                 tok = logits.argmax(-1, keepdim=True)

@@ -58,3 +58,25 @@ def test_chain_pool_is_argmax_chain_with_zero_scores(B, S, seed):
         assert torch.equal(tok, tokens[:, i])
         assert torch.equal(pos, seq_lens + i)
         assert torch.equal(hid, root_hidden if i == 0 else drafter.hidden[i - 1])
+
+
+def test_chain_pool_with_the_device_pick(monkeypatch):
+    """The CUDA branch of a greedy chain's pick (`greedy_pick`, whose (n, 2) result is read
+    as a strided (n, 1) view) makes the same pool as the CPU's argmax, through every view
+    the loop takes of it."""
+    from eaglekv.speculative import draft_loop
+    B, S, V, H = 8, 6, 50, 8
+    pools = []
+    for device_pick in (False, True):
+        monkeypatch.setattr(draft_loop, "use_triton", lambda x, on=device_pick: on)
+        g = torch.Generator().manual_seed(7)
+        root_logits, root_hidden = torch.randn(B, V, generator=g), torch.randn(B, H, generator=g)
+        seq_lens = torch.randint(3, 20, (B,), generator=g)
+        reqs = [SimpleNamespace(kv_len=int(n), params=SimpleNamespace(greedy=True))
+                for n in seq_lens]
+        pools.append(DraftLoop(StepDrafter(B, S, V, H, 7), S, 1).run(
+            reqs, root_logits, root_hidden, seq_lens, torch.zeros(B, 1, S, dtype=torch.long),
+            lambda step, kv_lens, kv_len: None, None, None))
+    assert torch.equal(pools[0].tokens, pools[1].tokens)
+    assert torch.equal(pools[0].parents, pools[1].parents)
+    assert torch.equal(pools[0].scores, pools[1].scores)
