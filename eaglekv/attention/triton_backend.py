@@ -161,7 +161,7 @@ class TritonAttentionBackend(AttentionBackend):
         return extend_attention(q, k_buf, v_buf, table, meta.kv_start, meta.prefix_len,
                                 meta.extend_len, meta.q_start, scale, size_limit=limit,
                                 mask=meta.mask, max_extend=meta.max_extend, layer=layer,
-                                checked=check)
+                                checked=check, max_keys=meta.max_keys or self.width)
 
 
 CHECK_ONCE = True     # False inside `layer_checks()` only

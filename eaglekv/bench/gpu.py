@@ -80,11 +80,18 @@ MODES = {"plain": None,
          # the fused matmuls in the kernel up to 8 rows (fused.GEMV_MAX_ROWS = 8, shipped 4):
          # S5's verify at batch 1 (6 rows) then carries its norms too; not yet measured
          "eagle_chain_S5K1N6_gemv8": dict(num_steps=5, topk=1, num_draft_tokens=6),
-         "plain_gemv8": None}
+         "plain_gemv8": None,
+         # the verify's extend attention without split-K (attention_triton.EXTEND_SPLITS = 1),
+         # the way before 2026-12-05 evening: what the split gains
+         "eagle_chain_S5K1N6_xs1": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         "eagle3_chain_S5K1N6_xs1": dict(algorithm="eagle3", num_steps=5, topk=1,
+                                         num_draft_tokens=6),
+         "eagle3_tree_S6K4N16_xs1": dict(algorithm="eagle3", num_steps=6, topk=4,
+                                         num_draft_tokens=16)}
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
-VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8")
+VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1")
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees")
 
 
@@ -128,11 +135,17 @@ def make_engine(args, mode: str, max_batch: int) -> Engine:
         fused.FUSE_GEMV = name.endswith("_gemv")
     if name.endswith("_gemv8"):
         fused.GEMV_MAX_ROWS = 8
+    at = None
+    if name.endswith("_xs1"):
+        from eaglekv.kernels import attention_triton as at
+        splits, at.EXTEND_SPLITS = at.EXTEND_SPLITS, 1
     try:                                                  # what the graphs capture
         with mode_checks(mode):
             return _make_engine(args, mode, max_batch)
     finally:
         fused.FUSE_NORM_MATMUL, fused.FUSE_GEMV, fused.GEMV_MAX_ROWS = default
+        if at is not None:
+            at.EXTEND_SPLITS = splits
 
 
 def _make_engine(args, mode: str, max_batch: int) -> Engine:
@@ -634,11 +647,13 @@ def chained_vs_1step(result: dict) -> None:
     """Multi-step decode and the speculative chains against one step a sync
     (`chained_vs_1step`, mode / mode_1step), and the Triton matrix-vector kernel against
     cuBLAS and the separate glue kernels (`gemv_vs_cublas`: mode_gemv / mode, or
-    mode / mode_cublas now that the kernel is the default): tokens/s."""
+    mode / mode_cublas now that the kernel is the default), and the verify's split-K
+    extend against the unsplit kernel (`split_vs_nosplit`: mode / mode_xs1): tokens/s."""
     modes = result["modes"]
     for key, suffix, gemv in (("chained_vs_1step", "_1step", False),
                               ("gemv_vs_cublas", "_gemv", True),
-                              ("gemv_vs_cublas", "_cublas", False)):
+                              ("gemv_vs_cublas", "_cublas", False),
+                              ("split_vs_nosplit", "_xs1", False)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}
         if pairs:

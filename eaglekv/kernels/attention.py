@@ -252,12 +252,14 @@ def decode_attention(q, k_buffer, v_buffer, table, kv_start, kv_len, scale, *, s
 
 def extend_attention(q, k_buffer, v_buffer, table, kv_start, prefix_len, extend_len, q_start,
                      scale, *, size_limit, mask=None, max_extend=None, layer=None,
-                     out=None, checked=True) -> torch.Tensor:
+                     out=None, checked=True, num_splits=None, max_keys=None) -> torch.Tensor:
     """q (T, H, D) -> (T, H, D): request b's queries over its cached prefix and its window
     (causal, or the tree `mask` (B, Nmax, Nmax) bool). `max_extend` (host bound on
     extend_len, default T) sizes the grid. Rows outside every request's queries are not
     written (undefined when `out` is None on CUDA). `checked=False` as in
-    `decode_attention`."""
+    `decode_attention`. On CUDA a short extend of few requests splits its prefix over
+    `num_splits` programs (default from the grid and `max_keys`, a host bound on a request's
+    prefix + extend; `attention_triton.extend_num_splits`)."""
     op = "extend_attention"
     meta = [("kv_start", kv_start), ("prefix_len", prefix_len), ("extend_len", extend_len),
             ("q_start", q_start)]
@@ -274,6 +276,8 @@ def extend_attention(q, k_buffer, v_buffer, table, kv_start, prefix_len, extend_
     max_extend = q.shape[0] if max_extend is None else max_extend
     if not isinstance(max_extend, int) or not 0 <= max_extend <= q.shape[0]:
         raise ValueError(f"{op}: max_extend={max_extend} must be an int in [0, {q.shape[0]}]")
+    if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= 64):
+        raise ValueError(f"{op}: num_splits={num_splits} must be an int in [1, 64]")
     if not use_triton(q):
         res = extend_attention_torch(q, k_buffer, v_buffer, table, kv_start, prefix_len,
                                      extend_len, q_start, scale, size_limit=size_limit,
@@ -283,4 +287,4 @@ def extend_attention(q, k_buffer, v_buffer, table, kv_start, prefix_len, extend_
     return _triton_impl().extend_attention_triton(q, k_buffer, v_buffer, table, kv_start,
                                                   prefix_len, extend_len, q_start, float(scale),
                                                   size_limit, mask, max_extend, layer, out,
-                                                  checked)
+                                                  checked, num_splits, max_keys)

@@ -227,16 +227,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
 
 
 @triton.jit
-def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, o_s0, o_s1, o_s2, H: tl.constexpr,
-                  D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
-    """Program (b, h): out = sum_s w_s o_s / sum_s w_s, w_s = 2**(lse2_s - max lse2); empty
-    splits (lse2 = -inf) weigh 0, and a sequence with no keys gets zeros."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+def _merge_row(mid_o_ptr, mid_lse_ptr, row0, out_addr, o_s2, D: tl.constexpr,
+               DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+    """out = sum_s w_s o_s / sum_s w_s over the partial rows row0 + s of mid (s < SPLITS),
+    w_s = 2**(lse2_s - max lse2); empty splits (lse2 = -inf) weigh 0, and a row with no keys
+    gets zeros."""
     s = tl.arange(0, SP)
     smask = s < SPLITS
     d = tl.arange(0, DP)
-    row = (b * H + h) * SPLITS + s                                     # (SP,)
+    row = row0 + s                                                     # (SP,)
     lse = tl.load(mid_lse_ptr + row, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
@@ -245,31 +244,73 @@ def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, o_s0, o_s1, o_s2, H: tl.const
     den = tl.sum(w, 0)
     num = tl.sum(w[:, None] * o, 0)                                    # (DP,)
     res = num / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + b * o_s0 + h * o_s1 + d * o_s2, res.to(out_ptr.dtype.element_ty),
-             mask=d < D)
+    tl.store(out_addr + d * o_s2, res.to(out_addr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, o_s0, o_s1, o_s2, H: tl.constexpr,
+                  D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+    """Program (b, h): the split-K partials of decode query b, head h, merged into out."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    _merge_row(mid_o_ptr, mid_lse_ptr, (b * H + h) * SPLITS, out_ptr + b * o_s0 + h * o_s1,
+               o_s2, D, DP, SPLITS, SP)
+
+
+@triton.jit
+def _own_rows(qstart_ptr, b, t, q0, ext, n_q, n_req, max_ext):
+    """The query rows t of request b (queries q0 + t) that it may read and write: t < ext,
+    t < max_ext, and q0 + t in [0, q_end), q_end the next request's q_start when q_start
+    increases there (as a flat batch's does) or n_q: a corrupt extend_len cannot reach another
+    request's rows."""
+    q_next = tl.load(qstart_ptr + tl.minimum(b + 1, n_req - 1)).to(tl.int64)
+    q_end = tl.where((b + 1 < n_req) & (q_next > q0), tl.minimum(q_next, n_q), n_q)
+    return (q0 + t >= 0) & (q0 + t < q_end) & (t < max_ext) & (t < ext)
+
+
+@triton.jit(do_not_specialize=["n_q", "n_req", "max_ext"])
+def _extend_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, qstart_ptr, ext_ptr, o_s0, o_s1,
+                         o_s2, n_q, n_req, max_ext, H: tl.constexpr, D: tl.constexpr,
+                         DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+    """Program (b, t, h): query t of request b, head h, its split partials merged into out;
+    only the rows the extend kernel wrote partials for (`_own_rows`)."""
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    ext = tl.load(ext_ptr + b).to(tl.int64)
+    q0 = tl.load(qstart_ptr + b).to(tl.int64)
+    if _own_rows(qstart_ptr, b, t, q0, ext, n_q, n_req, max_ext):
+        row = q0 + t
+        _merge_row(mid_o_ptr, mid_lse_ptr, (row * H + h) * SPLITS,
+                   out_ptr + row * o_s0 + h * o_s1, o_s2, D, DP, SPLITS, SP)
 
 
 @triton.jit(do_not_specialize=["call_id", "size_limit", "n_table", "n_mask", "n_q", "n_req",
                                 "max_ext"])
 def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_ptr, ext_ptr,
-                   qstart_ptr, mask_ptr, err_ptr, call_id, size_limit, n_table, qk_scale,
-                   q_s0, q_s1, q_s2, o_s0, o_s1, o_s2, k_s0, k_s1, v_s0, v_s1,
-                   m_s0, m_s1, m_s2, n_mask, n_q, n_req, max_ext,
-                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CUSTOM: tl.constexpr,
-                   F32DOT: tl.constexpr, CHECK: tl.constexpr):
-    """Program (b, query block, kv head): rows r = (t, g) of BLOCK_M queries x GP heads.
-    Query t sits at position prefix + t and sees keys pos < prefix, and window keys
+                   qstart_ptr, mask_ptr, err_ptr, mid_o_ptr, mid_lse_ptr, call_id, size_limit,
+                   n_table, qk_scale, q_s0, q_s1, q_s2, o_s0, o_s1, o_s2, k_s0, k_s1, v_s0,
+                   v_s1, m_s0, m_s1, m_s2, n_mask, n_q, n_req, max_ext,
+                   H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                   DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CUSTOM: tl.constexpr, SPLITS: tl.constexpr, F32DOT: tl.constexpr,
+                   CHECK: tl.constexpr):
+    """Program (b, query block, kv head x split): rows r = (t, g) of BLOCK_M queries x GP
+    heads. Query t sits at position prefix + t and sees keys pos < prefix, and window keys
     j = pos - prefix (j < extend_len) with j <= t (causal) or mask[b, t, j] | (j == t).
+    Split-K (SPLITS > 1, short extends: a verify of a few requests): split sp reads the prefix
+    keys [sp * chunk, min((sp + 1) * chunk, prefix)), chunk = cdiv(prefix, SPLITS), and the
+    last split the window too; each writes its partial o and lse2 to mid_o (T, H, SPLITS, DP)
+    and mid_lse (T, H, SPLITS), merged by `_extend_merge_kernel`. SPLITS == 1 writes out.
     Bad slots and positions outside the table are reported by kv head 0 of the request's last
-    query block in the grid, which reads every key any of its blocks reads (all of
-    pos < prefix + extend_len, unless a corrupt extend_len passes the grid's max_extend).
-    A request reads and writes only its own query rows: q_start + t for t < min(extend_len,
-    max_ext), below the next request's q_start (when q_start increases, as a flat batch's
-    does) and below n_q, so a corrupt extend_len cannot write another request's output."""
+    query block in the grid (each split its own keys), which reads every key any of its blocks
+    reads (all of pos < prefix + extend_len, unless a corrupt extend_len passes the grid's
+    max_extend). A request reads and writes only its own query rows (`_own_rows`), so a
+    corrupt extend_len cannot write another request's output."""
     b = tl.program_id(0).to(tl.int64)
     mb = tl.program_id(1).to(tl.int64)
-    kvh = tl.program_id(2).to(tl.int64)
+    kvh = tl.program_id(2).to(tl.int64) // SPLITS
+    sp = tl.program_id(2).to(tl.int64) % SPLITS
     ext = tl.load(ext_ptr + b).to(tl.int64)
     if mb * BLOCK_M >= ext:
         return
@@ -280,10 +321,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
     t = mb * BLOCK_M + r // GP                                         # (M,) query in request
     g = r % GP
     h = kvh * G + g
-    q_next = tl.load(qstart_ptr + tl.minimum(b + 1, n_req - 1)).to(tl.int64)
-    q_end = tl.where((b + 1 < n_req) & (q_next > q0), tl.minimum(q_next, n_q), n_q)
-    rows_in_q = (q0 + t >= 0) & (q0 + t < q_end) & (t < max_ext)       # its own rows only
-    rmask = (t < ext) & (g < G) & rows_in_q
+    rmask = _own_rows(qstart_ptr, b, t, q0, ext, n_q, n_req, max_ext) & (g < G)
     d = tl.arange(0, DP)
     dmask = d < D
     q = tl.load(q_ptr + (q0 + t)[:, None] * q_s0 + h[:, None] * q_s1 + d[None, :] * q_s2,
@@ -295,20 +333,25 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
     report = (tl.zeros([BLOCK_N], tl.int32) + is_rep.to(tl.int32)) != 0
     cid = call_id.to(tl.int64)
     every = tl.full([1, BLOCK_N], 1, tl.int1)
-    # 1. the cached prefix: visible to every query (positions outside the table: not read)
-    plo, phi = _in_table(base, 0, prefix, n_table, CHECK)
+    # 1. the cached prefix (this split's part): visible to every query (positions outside the
+    # table: not read)
+    chunk = (prefix + SPLITS - 1) // SPLITS
+    p_lo = sp * chunk
+    p_hi = tl.minimum(p_lo + chunk, prefix)
+    plo, phi = _in_table(base, p_lo, p_hi, n_table, CHECK)
     for n0 in range(plo, phi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         slot, load, ok = _load_slots(table_ptr, base, j, j < phi, n_table, size_limit, report,
                                err_ptr, (cid + 1) << 32, CHECK)
         m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, load, ok, every, kvh, k_s0, k_s1, v_s0, v_s1,
                                 d, dmask, m_i, l_i, acc, qk_scale, F32DOT)
-    # 2. the extend window: causal stops after this block's last query; a tree mask may look
-    # anywhere in the window
+    # 2. the extend window (the last split's): causal stops after this block's last query; a
+    # tree mask may look anywhere in the window
     if CUSTOM:
         hi = ext
     else:
         hi = tl.minimum(ext, (mb + 1) * BLOCK_M)
+    hi = tl.where(sp == SPLITS - 1, hi, 0)
     wlo, whi = _in_table(base + prefix, 0, hi, n_table, CHECK)
     for n0 in range(wlo, whi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)                    # (N,) window index
@@ -326,12 +369,18 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
                                 v_s1, d, dmask, m_i, l_i, acc, qk_scale, F32DOT)
     if CHECK:
         if is_rep:
-            n_pre, k_pre = _outside(base, 0, prefix, n_table)
+            n_pre, k_pre = _outside(base, p_lo, p_hi, n_table)
             n_win, k_win = _outside(base + prefix, 0, hi, n_table)
             _record_one(err_ptr, n_pre + n_win, (cid << 32) + tl.minimum(k_pre, k_win))
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (q0 + t)[:, None] * o_s0 + h[:, None] * o_s1 + d[None, :] * o_s2,
-             o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+    if SPLITS == 1:
+        tl.store(out_ptr + (q0 + t)[:, None] * o_s0 + h[:, None] * o_s1 + d[None, :] * o_s2,
+                 o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+    else:
+        row = ((q0 + t) * H + h) * SPLITS + sp                         # (M,) into (T, H, S)
+        tl.store(mid_o_ptr + row[:, None] * DP + d[None, :], o, mask=rmask[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(mid_lse_ptr + row, lse, mask=rmask)
 
 
 def _f32_dot(dtype: torch.dtype) -> bool:
@@ -408,9 +457,10 @@ def extend_tile(max_extend: int, GP: int, DP: int) -> tuple[int, int, bool]:
 
 def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, extend_len,
                             q_start, scale: float, size_limit: int, mask, max_extend: int,
-                            layer, out, checked=True):
+                            layer, out, checked=True, num_splits: int | None = None,
+                            max_keys: int | None = None):
     """Arguments checked by `attention.extend_attention`; writes and returns `out` (T, H, D).
-    checked=False as in `decode_attention_triton`."""
+    checked=False as in `decode_attention_triton`. num_splits None: `extend_num_splits`."""
     T, H, D = q.shape
     B, hkv = kv_start.shape[0], k_buffer.shape[1]
     if B == 0 or max_extend == 0 or T == 0:
@@ -418,19 +468,58 @@ def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, 
     G = H // hkv
     GP, DP = triton.next_power_of_2(G), max(16, triton.next_power_of_2(D))
     block_m, block_n, short = extend_tile(max_extend, GP, DP)
+    blocks = triton.cdiv(max_extend, block_m)
+    if num_splits is None:
+        num_splits = extend_num_splits(B * blocks * hkv, short, max_keys, q.device)
+    if num_splits > 1:   # scratch shapes from host ints only, as decode's
+        mid_o = torch.empty(T, H, num_splits, DP, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(T, H, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_lse = out                                          # unused
     custom = mask is not None
     mk = mask.view(torch.uint8) if custom else table                   # bool read as bytes
     ms = mk.stride() if custom else (0, 0, 0)
     check = _check_level(checked)
     guard, call_id = _register("extend_attention", size_limit, table, layer, check)
-    _extend_kernel[(B, triton.cdiv(max_extend, block_m), hkv)](
+    _extend_kernel[(B, blocks, hkv * num_splits)](
         q, k_buffer, v_buffer, out, table, kv_start, prefix_len, extend_len, q_start, mk,
-        guard.err, call_id, size_limit, table.numel(), scale * _LOG2E, *q.stride(),
-        *out.stride(), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
-        v_buffer.stride(1), *ms, mask.shape[1] if custom else 0, T, B, max_extend,
-        G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m, BLOCK_N=block_n, CUSTOM=custom,
-        F32DOT=_f32_dot(q.dtype), CHECK=check,
+        guard.err, mid_o, mid_lse, call_id, size_limit, table.numel(), scale * _LOG2E,
+        *q.stride(), *out.stride(), k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1), *ms, mask.shape[1] if custom else 0, T, B,
+        max_extend, H=H, G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m, BLOCK_N=block_n,
+        CUSTOM=custom, SPLITS=num_splits, F32DOT=_f32_dot(q.dtype), CHECK=check,
         num_warps=8 if block_m * GP >= 128 else 4,
         num_stages=key_loop_stages(check, short))
+    if num_splits > 1:
+        _extend_merge_kernel[(B, max_extend, H)](
+            mid_o, mid_lse, out, q_start, extend_len, *out.stride(), T, B, max_extend,
+            H=H, D=D, DP=DP, SPLITS=num_splits, SP=triton.next_power_of_2(num_splits),
+            num_warps=1 if DP <= 64 else 2)
     guard.after_launch()
     return out
+
+
+# Split-K of a short extend (a verify, a draft's window extend) whose grid leaves most SMs
+# idle: at batch 1 SmolLM2's S5 verify ran 3 programs (one a kv head), each over every key
+# of the ~300 in turn, 12.2 us a launch and 22% of the step's device time on the H100
+# (2026-12-05). EXTEND_SPLITS (EAGLEKV_EXTEND_SPLITS) forces a count: 1 is the kernel without.
+MAX_EXTEND_SPLITS = 8
+EXTEND_SPLITS: int | None = (int(os.environ["EAGLEKV_EXTEND_SPLITS"])
+                             if os.environ.get("EAGLEKV_EXTEND_SPLITS") else None)
+
+
+def extend_num_splits(programs: int, short: bool, max_keys: int | None,
+                      device: torch.device) -> int:
+    """Splits of a short extend's prefix so that its `programs` (requests x query blocks x kv
+    heads) times the splits reach 2 x the SMs, capped at MAX_EXTEND_SPLITS and at
+    cdiv(max_keys, MIN_KEYS_PER_SPLIT) (a host bound; None: no bound); 1 for a long extend (a
+    prefill fills the GPU with query blocks) or a grid that has an SM each already."""
+    from eaglekv.kernels.attention import MIN_KEYS_PER_SPLIT, _sm_count
+    if EXTEND_SPLITS is not None:
+        return max(1, EXTEND_SPLITS)
+    sms = _sm_count(device)
+    if not short or programs >= sms:
+        return 1
+    want = -(-2 * sms // max(1, programs))
+    by_len = MAX_EXTEND_SPLITS if max_keys is None else -(-max(1, max_keys) // MIN_KEYS_PER_SPLIT)
+    return max(1, min(MAX_EXTEND_SPLITS, want, by_len))

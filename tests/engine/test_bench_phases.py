@@ -265,3 +265,28 @@ def test_gemv_modes_are_compared_with_cublas(monkeypatch):
                     ("eagle_chain_S5K1N6_gemv", True, 4),
                     ("eagle_chain_S5K1N6_gemv8", None, 8)]
     assert fused.FUSE_GEMV is None and fused.GEMV_MAX_ROWS == 4
+
+
+def test_xs1_modes_capture_the_unsplit_extend(monkeypatch):
+    """`*_xs1` modes build their engine with the verify's extend attention unsplit
+    (attention_triton.EXTEND_SPLITS = 1, put back after); `split_vs_nosplit` is mode / mode_xs1
+    per batch."""
+    pytest.importorskip("triton")
+    from eaglekv.bench import gpu
+    from eaglekv.kernels import attention_triton as at
+
+    def row(*tps):
+        return {"rows": {1: {"tokens_per_s": tps[0]}, 4: {"tokens_per_s": tps[1]}}}
+    result = {"modes": {"eagle_chain_S5K1N6": row(22, 60),
+                        "eagle_chain_S5K1N6_xs1": row(20, 64)}}
+    gpu.chained_vs_1step(result)
+    assert {B: round(r["tokens_per_s"], 9) for B, r in
+            result["split_vs_nosplit"]["eagle_chain_S5K1N6"].items()} == {1: 1.1, 4: 0.9375}
+    seen = []
+    monkeypatch.setattr(gpu, "_make_engine",
+                        lambda args, mode, b: seen.append((mode, at.EXTEND_SPLITS)))
+    monkeypatch.setattr(at, "EXTEND_SPLITS", None)
+    for mode in ("eagle_chain_S5K1N6_xs1", "eagle_chain_S5K1N6"):
+        gpu.make_engine(None, mode, 1)
+    assert seen == [("eagle_chain_S5K1N6_xs1", 1), ("eagle_chain_S5K1N6", None)]
+    assert at.EXTEND_SPLITS is None

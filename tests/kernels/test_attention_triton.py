@@ -685,3 +685,45 @@ def test_unchecked_kernels_really_skip_the_check():
         bare = decode_attention(*args, D ** -0.5, size_limit=top, num_splits=1)
     close(bare, ref, torch.float32)
     assert kv_guard(DEV).err.tolist() == guard.fresh_error_buffer()
+
+
+def test_extend_num_splits():
+    """Split-K of an extend: only a short one (a verify, a draft's window extend) on a grid
+    with fewer programs than SMs; up to 2 x the SMs in all, capped at MAX_EXTEND_SPLITS and by
+    the keys a request can have; EXTEND_SPLITS forces a count."""
+    from eaglekv.kernels import attention_triton as at
+    cpu = torch.device("cpu")                                  # sized as an H200's 132 SMs
+    assert at.extend_num_splits(3, True, 2048, cpu) == at.MAX_EXTEND_SPLITS == 8
+    assert at.extend_num_splits(3, True, None, cpu) == 8
+    assert at.extend_num_splits(3, True, 100, cpu) == 2        # 100 keys: 2 splits of 64
+    assert at.extend_num_splits(48, True, 2048, cpu) == 6      # 264 / 48
+    assert at.extend_num_splits(132, True, 2048, cpu) == 1     # an SM each already
+    assert at.extend_num_splits(3, False, 2048, cpu) == 1      # a prefill
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(at, "EXTEND_SPLITS", 1)
+        assert at.extend_num_splits(3, True, 2048, cpu) == 1
+        mp.setattr(at, "EXTEND_SPLITS", 5)
+        assert at.extend_num_splits(300, False, 2048, cpu) == 5
+    with pytest.raises(ValueError, match="num_splits=0"):
+        extend_attention(torch.zeros(2, 9, 64), torch.zeros(8, 3, 64), torch.zeros(8, 3, 64),
+                         torch.zeros(16, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
+                         torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64),
+                         torch.zeros(1, dtype=torch.int64), 0.125, size_limit=8, num_splits=0)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_extend_split_k_equals_reference(splits, monkeypatch):
+    """The extend kernel with its prefix split over 1 (no merge), 3 and 8 programs a kv head
+    (the default splits a short extend of few requests): the reference's results (causal,
+    tree masks, prefixes shorter than the splits, several query blocks), rows outside every
+    request untouched, a corrupt extend_len writing nothing of another request's, and bad
+    slots and table positions reported once with the right count."""
+    from eaglekv.kernels import attention_triton as at
+    monkeypatch.setattr(at, "EXTEND_SPLITS", splits)
+    test_tree_mask_and_untouched_rows()
+    test_extend_matches_reference((9, 3, 64), torch.bfloat16)
+    test_extend_several_query_blocks((9, 3, 64))
+    test_extend_writes_only_its_own_rows()
+    test_extend_bad_slot("limit", True)
+    test_extend_table_position_outside("prefix_past_end", True)
+    test_extend_table_position_outside("start_negative", False)
