@@ -29,7 +29,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from eaglekv.config import EngineConfig, SamplingParams, SpecConfig
+from eaglekv.config import DEFAULT_SCHEDULER_STEPS, EngineConfig, SamplingParams, SpecConfig
 from eaglekv.engine import Engine
 
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -296,6 +296,30 @@ def host_top(cp: cProfile.Profile, steps: int, n: int = 25) -> list[dict]:
     return sorted(rows, key=lambda r: -r["self_ms_per_step"])[:n]
 
 
+@contextlib.contextmanager
+def jit_loads():
+    """The Triton kernel specialisations first launched in this process inside the block (a
+    compile, or a load from the disk cache: ~1 s or ~10 ms in the middle of a timed step), by
+    kernel name; None where this Triton has no `knobs.runtime.jit_cache_hook`."""
+    try:
+        from triton import knobs
+        hook_holder = knobs.runtime
+        old = hook_holder.jit_cache_hook
+    except (ImportError, AttributeError):
+        yield None
+        return
+    seen: list[str] = []
+
+    def hook(*, repr: str, **_):
+        seen.append(repr.split("[", 1)[0])
+        return False        # compile as usual
+    hook_holder.jit_cache_hook = hook
+    try:
+        yield seen
+    finally:
+        hook_holder.jit_cache_hook = old
+
+
 def run_modes(args, modes: list[str], batches: list[int]) -> dict:
     """Every mode's engine first, warmed up at every batch size; then `repeats` rounds, each
     running every mode at every batch size in turn; then the per-step profiles."""
@@ -317,11 +341,13 @@ def run_modes(args, modes: list[str], batches: list[int]) -> dict:
             for B in batches:
                 if eng.worker is not None:
                     eng.worker.reset_stats()
-                with mode_checks(m):
+                with mode_checks(m), jit_loads() as loaded:
                     tps, toks[m][B], phases = timed_generate(eng, ps[B], args.new_tokens,
                                                              conc[B])
                 runs[m][B].append(tps)
                 stats[m].setdefault(B, {}).setdefault("phases", []).append(phases)
+                if loaded is not None:   # a kernel compiled (or loaded) inside a timed run
+                    stats[m][B].setdefault("triton_jit_loads", []).append(loaded)
                 if eng.worker is not None:
                     st, w = eng.spec_stats(), eng.worker
                     steps = max(st.verify_steps, 1)
@@ -447,6 +473,22 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
             times.append(e0.elapsed_time(e1) / 1e3)
         return statistics.median(times[5:])
 
+    def chained_step_s(graphs, k: int) -> float:
+        """A step of `replay_chain`: k greedy steps back to back, one sync (the engine's plain
+        decode under CUDA graphs, EngineConfig.decode_steps), so the host prepares step j + 1
+        while the device runs step j."""
+        times = []
+        for i in range(steps // k):
+            pos = context + i * k
+            slots = (np.arange(k) + pos + 1)[:, None]
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            graphs.replay_chain([7], [pos], [row], slots)
+            e1.record()
+            sync()
+            times.append(e0.elapsed_time(e1) / 1e3 / k)
+        return statistics.median(times[1:])
+
     default, fused.FUSE_NORM_MATMUL = fused.FUSE_NORM_MATMUL, True   # the step with norm_matmul
     try:
         with_fused = DecodeGraphs(model, backend, 1, context + steps + 8, progress=False)
@@ -455,6 +497,13 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
     graphs = DecodeGraphs(model, backend, 1, context + steps + 8, progress=False)
     fused_s, step_s, fused_s2 = (decode_step_s(with_fused), decode_step_s(graphs),
                                  decode_step_s(with_fused))
+    chain_k = min(DEFAULT_SCHEDULER_STEPS, 8)      # 6 chains inside the KV pool's steps
+    try:     # new here (2026-12-05 evening, not yet run on a GPU): its failure costs the row
+        chained_s = chained_step_s(graphs, chain_k)    # nothing else
+    except Exception as e:                              # noqa: BLE001
+        chained_s, chain_error = float("nan"), repr(e)
+    else:
+        chain_error = None
     del with_fused
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(5):
@@ -486,6 +535,11 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
            "decode_ms": 1e3 * step_s, "tokens_per_s": 1 / step_s,
            "decode_ms_norm_matmul": 1e3 * min(fused_s, fused_s2),
            "roofline_ms": 1e3 * roofline_s, "fraction_of_roofline": roofline_s / step_s,
+           # the engine's plain decode: chains of chain_k steps a sync (one-step replays above
+           # wait on the host between steps)
+           "chain_steps": chain_k, "decode_ms_chained": 1e3 * chained_s,
+           "tokens_per_s_chained": 1 / chained_s,
+           "fraction_of_roofline_chained": roofline_s / chained_s, "chain_error": chain_error,
            "kernels_per_step": len(kernels) / 5,
            "device_ms_per_step": sum(e.device_time for e in kernels) / 1e3 / 5,
            "kernel_top": kernel_top(kernels, 5), "verify_vs_decode": verify}

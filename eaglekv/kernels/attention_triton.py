@@ -227,13 +227,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
 
 
 @triton.jit
-def _merge_row(mid_o_ptr, mid_lse_ptr, row0, out_addr, o_s2, D: tl.constexpr,
-               DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
-    """out = sum_s w_s o_s / sum_s w_s over the partial rows row0 + s of mid (s < SPLITS),
+def _merge_row(mid_o_ptr, mid_lse_ptr, row0, out_addr, o_s2, splits, D: tl.constexpr,
+               DP: tl.constexpr, SP: tl.constexpr):
+    """out = sum_s w_s o_s / sum_s w_s over the partial rows row0 + s of mid (s < splits),
     w_s = 2**(lse2_s - max lse2); empty splits (lse2 = -inf) weigh 0, and a row with no keys
     gets zeros."""
     s = tl.arange(0, SP)
-    smask = s < SPLITS
+    smask = s < splits
     d = tl.arange(0, DP)
     row = row0 + s                                                     # (SP,)
     lse = tl.load(mid_lse_ptr + row, mask=smask, other=float("-inf"))
@@ -254,7 +254,7 @@ def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, o_s0, o_s1, o_s2, H: tl.const
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     _merge_row(mid_o_ptr, mid_lse_ptr, (b * H + h) * SPLITS, out_ptr + b * o_s0 + h * o_s1,
-               o_s2, D, DP, SPLITS, SP)
+               o_s2, SPLITS, D, DP, SP)
 
 
 @triton.jit
@@ -268,12 +268,12 @@ def _own_rows(qstart_ptr, b, t, q0, ext, n_q, n_req, max_ext):
     return (q0 + t >= 0) & (q0 + t < q_end) & (t < max_ext) & (t < ext)
 
 
-@triton.jit(do_not_specialize=["n_q", "n_req", "max_ext"])
+@triton.jit(do_not_specialize=["n_q", "n_req", "max_ext", "n_splits"])
 def _extend_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, qstart_ptr, ext_ptr, o_s0, o_s1,
-                         o_s2, n_q, n_req, max_ext, H: tl.constexpr, D: tl.constexpr,
-                         DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
-    """Program (b, t, h): query t of request b, head h, its split partials merged into out;
-    only the rows the extend kernel wrote partials for (`_own_rows`)."""
+                         o_s2, n_q, n_req, max_ext, n_splits, H: tl.constexpr,
+                         D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr):
+    """Program (b, t, h): query t of request b, head h, its n_splits (<= SP) partials merged
+    into out; only the rows the extend kernel wrote partials for (`_own_rows`)."""
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -281,27 +281,28 @@ def _extend_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, qstart_ptr, ext_ptr, o
     q0 = tl.load(qstart_ptr + b).to(tl.int64)
     if _own_rows(qstart_ptr, b, t, q0, ext, n_q, n_req, max_ext):
         row = q0 + t
-        _merge_row(mid_o_ptr, mid_lse_ptr, (row * H + h) * SPLITS,
-                   out_ptr + row * o_s0 + h * o_s1, o_s2, D, DP, SPLITS, SP)
+        _merge_row(mid_o_ptr, mid_lse_ptr, (row * H + h) * n_splits,
+                   out_ptr + row * o_s0 + h * o_s1, o_s2, n_splits, D, DP, SP)
 
 
 @triton.jit(do_not_specialize=["call_id", "size_limit", "n_table", "n_mask", "n_q", "n_req",
-                                "max_ext"])
+                                "max_ext", "n_splits"])
 def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_ptr, ext_ptr,
                    qstart_ptr, mask_ptr, err_ptr, mid_o_ptr, mid_lse_ptr, call_id, size_limit,
                    n_table, qk_scale, q_s0, q_s1, q_s2, o_s0, o_s1, o_s2, k_s0, k_s1, v_s0,
-                   v_s1, m_s0, m_s1, m_s2, n_mask, n_q, n_req, max_ext,
+                   v_s1, m_s0, m_s1, m_s2, n_mask, n_q, n_req, max_ext, n_splits,
                    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CUSTOM: tl.constexpr, SPLITS: tl.constexpr, F32DOT: tl.constexpr,
-                   CHECK: tl.constexpr):
+                   CUSTOM: tl.constexpr, F32DOT: tl.constexpr, CHECK: tl.constexpr):
     """Program (b, query block, kv head x split): rows r = (t, g) of BLOCK_M queries x GP
     heads. Query t sits at position prefix + t and sees keys pos < prefix, and window keys
     j = pos - prefix (j < extend_len) with j <= t (causal) or mask[b, t, j] | (j == t).
-    Split-K (SPLITS > 1, short extends: a verify of a few requests): split sp reads the prefix
-    keys [sp * chunk, min((sp + 1) * chunk, prefix)), chunk = cdiv(prefix, SPLITS), and the
-    last split the window too; each writes its partial o and lse2 to mid_o (T, H, SPLITS, DP)
-    and mid_lse (T, H, SPLITS), merged by `_extend_merge_kernel`. SPLITS == 1 writes out.
+    Split-K (n_splits > 1, short extends: a verify of a few requests): split sp reads the
+    prefix keys [sp * chunk, min((sp + 1) * chunk, prefix)), chunk = cdiv(prefix, n_splits),
+    and the last split the window too; each writes its partial o and lse2 to mid_o
+    (T, H, n_splits, DP) and mid_lse (T, H, n_splits), merged by `_extend_merge_kernel`;
+    n_splits == 1 writes out. n_splits is a runtime value: an eager batch of any size runs
+    the one compiled kernel (as a constexpr, each count compiled anew, ~1 s, mid-step).
     Bad slots and positions outside the table are reported by kv head 0 of the request's last
     query block in the grid (each split its own keys), which reads every key any of its blocks
     reads (all of pos < prefix + extend_len, unless a corrupt extend_len passes the grid's
@@ -309,8 +310,8 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
     corrupt extend_len cannot write another request's output."""
     b = tl.program_id(0).to(tl.int64)
     mb = tl.program_id(1).to(tl.int64)
-    kvh = tl.program_id(2).to(tl.int64) // SPLITS
-    sp = tl.program_id(2).to(tl.int64) % SPLITS
+    kvh = tl.program_id(2).to(tl.int64) // n_splits
+    sp = tl.program_id(2).to(tl.int64) % n_splits
     ext = tl.load(ext_ptr + b).to(tl.int64)
     if mb * BLOCK_M >= ext:
         return
@@ -335,7 +336,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
     every = tl.full([1, BLOCK_N], 1, tl.int1)
     # 1. the cached prefix (this split's part): visible to every query (positions outside the
     # table: not read)
-    chunk = (prefix + SPLITS - 1) // SPLITS
+    chunk = (prefix + n_splits - 1) // n_splits
     p_lo = sp * chunk
     p_hi = tl.minimum(p_lo + chunk, prefix)
     plo, phi = _in_table(base, p_lo, p_hi, n_table, CHECK)
@@ -351,7 +352,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
         hi = ext
     else:
         hi = tl.minimum(ext, (mb + 1) * BLOCK_M)
-    hi = tl.where(sp == SPLITS - 1, hi, 0)
+    hi = tl.where(sp == n_splits - 1, hi, 0)
     wlo, whi = _in_table(base + prefix, 0, hi, n_table, CHECK)
     for n0 in range(wlo, whi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)                    # (N,) window index
@@ -373,11 +374,11 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
             n_win, k_win = _outside(base + prefix, 0, hi, n_table)
             _record_one(err_ptr, n_pre + n_win, (cid << 32) + tl.minimum(k_pre, k_win))
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if SPLITS == 1:
+    if n_splits == 1:
         tl.store(out_ptr + (q0 + t)[:, None] * o_s0 + h[:, None] * o_s1 + d[None, :] * o_s2,
                  o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
     else:
-        row = ((q0 + t) * H + h) * SPLITS + sp                         # (M,) into (T, H, S)
+        row = ((q0 + t) * H + h) * n_splits + sp                       # (M,) into (T, H, S)
         tl.store(mid_o_ptr + row[:, None] * DP + d[None, :], o, mask=rmask[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(mid_lse_ptr + row, lse, mask=rmask)
@@ -486,14 +487,15 @@ def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, 
         guard.err, mid_o, mid_lse, call_id, size_limit, table.numel(), scale * _LOG2E,
         *q.stride(), *out.stride(), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), *ms, mask.shape[1] if custom else 0, T, B,
-        max_extend, H=H, G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m, BLOCK_N=block_n,
-        CUSTOM=custom, SPLITS=num_splits, F32DOT=_f32_dot(q.dtype), CHECK=check,
+        max_extend, num_splits, H=H, G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m,
+        BLOCK_N=block_n, CUSTOM=custom, F32DOT=_f32_dot(q.dtype), CHECK=check,
         num_warps=8 if block_m * GP >= 128 else 4,
         num_stages=key_loop_stages(check, short))
     if num_splits > 1:
         _extend_merge_kernel[(B, max_extend, H)](
             mid_o, mid_lse, out, q_start, extend_len, *out.stride(), T, B, max_extend,
-            H=H, D=D, DP=DP, SPLITS=num_splits, SP=triton.next_power_of_2(num_splits),
+            num_splits, H=H, D=D, DP=DP,
+            SP=max(MAX_EXTEND_SPLITS, triton.next_power_of_2(num_splits)),
             num_warps=1 if DP <= 64 else 2)
     guard.after_launch()
     return out

@@ -290,3 +290,23 @@ def test_xs1_modes_capture_the_unsplit_extend(monkeypatch):
         gpu.make_engine(None, mode, 1)
     assert seen == [("eagle_chain_S5K1N6_xs1", 1), ("eagle_chain_S5K1N6", None)]
     assert at.EXTEND_SPLITS is None
+
+
+def test_jit_loads_names_kernels_first_launched_in_a_timed_run():
+    """`jit_loads` records the kernels Triton specialises inside the block (its cache hook:
+    a miss of the in-process cache), lets them compile (the hook returns False), and puts the
+    previous hook back."""
+    triton = pytest.importorskip("triton")
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or not hasattr(knobs.runtime, "jit_cache_hook"):
+        pytest.skip("this Triton has no knobs.runtime.jit_cache_hook")
+    from eaglekv.bench import gpu
+    before = knobs.runtime.jit_cache_hook
+    with gpu.jit_loads() as loaded:
+        hook = knobs.runtime.jit_cache_hook
+        assert hook(key=(), repr="_extend_kernel[num_warps=4](q_ptr: *bf16)", fn=None,
+                    compile={}, is_manual_warmup=False, already_compiled=False) is False
+        hook(key=(), repr="_extend_merge_kernel[num_warps=1]()", fn=None, compile={},
+             is_manual_warmup=False, already_compiled=False)
+    assert loaded == ["_extend_kernel", "_extend_merge_kernel"]
+    assert knobs.runtime.jit_cache_hook is before

@@ -44,8 +44,7 @@ def copies(fn, constexprs, num_stages):
     return k.asm["ttgir"].count("async_copy")
 
 DEC = dict(H=9, G=3, GP=16, D=64, DP=64, BLOCK_N=64, SPLITS=4, F32DOT=False)
-EXT = dict(H=9, G=3, GP=4, D=64, DP=64, BLOCK_M=16, BLOCK_N=64, CUSTOM=True, SPLITS=8,
-           F32DOT=False)
+EXT = dict(H=9, G=3, GP=4, D=64, DP=64, BLOCK_M=16, BLOCK_N=64, CUSTOM=True, F32DOT=False)
 short = 8 <= at.SHORT_EXTEND                                     # a verify window of 8
 out = {f"decode{c}": copies(at._decode_kernel, dict(DEC, CHECK=c), at.key_loop_stages(c, True))
        for c in (0, 1)}
@@ -54,7 +53,7 @@ out |= {f"extend{c}": copies(at._extend_kernel, dict(EXT, CHECK=c),
 out["stages"] = {f"{k}{c}": at.key_loop_stages(c, k == "decode" or short)
                  for k in ("decode", "extend") for c in (0, 1)}
 out["extend1_default"] = copies(at._extend_kernel, dict(EXT, CHECK=1), at.DEFAULT_STAGES)
-out["extend_merge"] = copies(at._extend_merge_kernel, dict(H=9, D=64, DP=64, SPLITS=8, SP=8),
+out["extend_merge"] = copies(at._extend_merge_kernel, dict(H=9, D=64, DP=64, SP=8),
                             1)
 from eaglekv.kernels import table_guard_triton as tg
 fn = tg._guard_rows_kernel
