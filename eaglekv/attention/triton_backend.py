@@ -60,6 +60,9 @@ class TritonAttentionBackend(AttentionBackend):
         dev = kv_pool.k_buffer[0].device
         self.sm_count = (torch.cuda.get_device_properties(dev).multi_processor_count
                          if dev.type == "cuda" else 132)
+        if dev.type == "cuda":      # the fused decode merge's counters, before any capture
+            from eaglekv.kernels.attention_triton import decode_tickets
+            decode_tickets(dev)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> TritonAttnMetadata:
         kv_start = batch.req_pool_indices * self.width

@@ -87,11 +87,18 @@ MODES = {"plain": None,
          "eagle3_chain_S5K1N6_xs1": dict(algorithm="eagle3", num_steps=5, topk=1,
                                          num_draft_tokens=6),
          "eagle3_tree_S6K4N16_xs1": dict(algorithm="eagle3", num_steps=6, topk=4,
-                                         num_draft_tokens=16)}
+                                         num_draft_tokens=16),
+         # the split-K decode merged by a separate kernel (attention_triton.FUSED_DECODE_MERGE
+         # off), the way before 2026-12-05 evening: what merging in the decode launch gains
+         "plain_sepmerge": None,
+         "eagle_chain_S5K1N6_sepmerge": dict(num_steps=5, topk=1, num_draft_tokens=6)}
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
-VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1")
+VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
+            "_sepmerge")
+# suffix -> (attribute of kernels/attention_triton.py, its value while the engine is built)
+ATTENTION_VARIANTS = {"_xs1": ("EXTEND_SPLITS", 1), "_sepmerge": ("FUSED_DECODE_MERGE", False)}
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees")
 
 
@@ -135,17 +142,20 @@ def make_engine(args, mode: str, max_batch: int) -> Engine:
         fused.FUSE_GEMV = name.endswith("_gemv")
     if name.endswith("_gemv8"):
         fused.GEMV_MAX_ROWS = 8
-    at = None
-    if name.endswith("_xs1"):
-        from eaglekv.kernels import attention_triton as at
-        splits, at.EXTEND_SPLITS = at.EXTEND_SPLITS, 1
+    at, attr = None, None
+    for suffix, (attr_, value) in ATTENTION_VARIANTS.items():
+        if name.endswith(suffix):
+            from eaglekv.kernels import attention_triton as at
+            attr = attr_
+            was = getattr(at, attr)
+            setattr(at, attr, value)
     try:                                                  # what the graphs capture
         with mode_checks(mode):
             return _make_engine(args, mode, max_batch)
     finally:
         fused.FUSE_NORM_MATMUL, fused.FUSE_GEMV, fused.GEMV_MAX_ROWS = default
         if at is not None:
-            at.EXTEND_SPLITS = splits
+            setattr(at, attr, was)
 
 
 def _make_engine(args, mode: str, max_batch: int) -> Engine:
@@ -702,12 +712,15 @@ def chained_vs_1step(result: dict) -> None:
     (`chained_vs_1step`, mode / mode_1step), and the Triton matrix-vector kernel against
     cuBLAS and the separate glue kernels (`gemv_vs_cublas`: mode_gemv / mode, or
     mode / mode_cublas now that the kernel is the default), and the verify's split-K
-    extend against the unsplit kernel (`split_vs_nosplit`: mode / mode_xs1): tokens/s."""
+    extend against the unsplit kernel (`split_vs_nosplit`: mode / mode_xs1), and the decode's
+    merge in its own launch against a separate kernel (`fused_merge_vs_separate`: mode /
+    mode_sepmerge): tokens/s."""
     modes = result["modes"]
     for key, suffix, gemv in (("chained_vs_1step", "_1step", False),
                               ("gemv_vs_cublas", "_gemv", True),
                               ("gemv_vs_cublas", "_cublas", False),
-                              ("split_vs_nosplit", "_xs1", False)):
+                              ("split_vs_nosplit", "_xs1", False),
+                              ("fused_merge_vs_separate", "_sepmerge", False)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}
         if pairs:

@@ -172,17 +172,22 @@ def _attend(q, k_ptr, v_ptr, slot, load, ok, visible, kvh, k_s0, k_s1, v_s0, v_s
 
 @triton.jit(do_not_specialize=["call_id", "size_limit", "n_table"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, mid_o_ptr,
-                   mid_lse_ptr, err_ptr, call_id, size_limit, n_table, qk_scale,
+                   mid_lse_ptr, err_ptr, ticket_ptr, call_id, size_limit, n_table, qk_scale,
                    q_s0, q_s1, q_s2, o_s0, o_s1, o_s2, k_s0, k_s1, v_s0, v_s1,
                    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    DP: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                   F32DOT: tl.constexpr, CHECK: tl.constexpr):
+                   SP: tl.constexpr, FUSED_MERGE: tl.constexpr, F32DOT: tl.constexpr,
+                   CHECK: tl.constexpr):
     """Program (b, kv head, split): the G query heads of one kv head (rows padded to GP) over
     keys [lo, hi), lo = split * chunk, hi = min(lo + chunk, kv_len), chunk = cdiv(kv_len,
     SPLITS). SPLITS == 1 writes the output; else the partial output o = acc / l and
     lse2 = m + log2(l) (-inf for an empty split) go to mid_o (B, H, SPLITS, DP) and
-    mid_lse (B, H, SPLITS). Bad slots and positions outside the table are reported by kv head 0
-    (each key is in one split)."""
+    mid_lse (B, H, SPLITS), merged by `_merge_kernel`, or (FUSED_MERGE) by the last of the
+    (b, kv head)'s splits to finish, in this launch: each split takes a ticket (an atomic add
+    on ticket[b, kv head], release after its partials are stored, acquire for the one that
+    draws SPLITS - 1), and the last one merges its G heads (`_merge_row`) and puts the ticket
+    back to 0 for the next launch. Bad slots and positions outside the table are reported by
+    kv head 0 (each key is in one split)."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2).to(tl.int64)
@@ -224,23 +229,39 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
         tl.store(mid_o_ptr + row[:, None] * DP + d[None, :], o, mask=hmask[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(mid_lse_ptr + row, lse, mask=hmask)
+        if FUSED_MERGE:
+            tl.debug_barrier()                        # every thread's partials stored
+            tk = ticket_ptr + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(tk, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                for gi in tl.static_range(G):         # the last split: merge the G heads
+                    hg = kvh * G + gi
+                    _merge_row(mid_o_ptr, mid_lse_ptr, (b * H + hg) * SPLITS,
+                               out_ptr + b * o_s0 + hg * o_s1, o_s2, SPLITS, D, DP, SP,
+                               FRESH=True)
+                tl.atomic_xchg(tk, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def _merge_row(mid_o_ptr, mid_lse_ptr, row0, out_addr, o_s2, splits, D: tl.constexpr,
-               DP: tl.constexpr, SP: tl.constexpr):
+               DP: tl.constexpr, SP: tl.constexpr, FRESH: tl.constexpr = False):
     """out = sum_s w_s o_s / sum_s w_s over the partial rows row0 + s of mid (s < splits),
     w_s = 2**(lse2_s - max lse2); empty splits (lse2 = -inf) weigh 0, and a row with no keys
-    gets zeros."""
+    gets zeros. FRESH: the partials were written by other programs of this launch, read
+    from L2 (`.cg`: past this SM's L1)."""
     s = tl.arange(0, SP)
     smask = s < splits
     d = tl.arange(0, DP)
     row = row0 + s                                                     # (SP,)
-    lse = tl.load(mid_lse_ptr + row, mask=smask, other=float("-inf"))
+    if FRESH:
+        lse = tl.load(mid_lse_ptr + row, mask=smask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(mid_o_ptr + row[:, None] * DP + d[None, :], mask=smask[:, None],
+                    other=0.0, cache_modifier=".cg")
+    else:
+        lse = tl.load(mid_lse_ptr + row, mask=smask, other=float("-inf"))
+        o = tl.load(mid_o_ptr + row[:, None] * DP + d[None, :], mask=smask[:, None], other=0.0)
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)                                               # (SP,) 0 if empty
-    o = tl.load(mid_o_ptr + row[:, None] * DP + d[None, :], mask=smask[:, None], other=0.0)
     den = tl.sum(w, 0)
     num = tl.sum(w[:, None] * o, 0)                                    # (DP,)
     res = num / tl.where(den > 0, den, 1.0)
@@ -427,19 +448,47 @@ def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scal
         mid_o = mid_lse = out                                          # unused
     check = _check_level(checked)
     guard, call_id = _register("decode_attention", size_limit, table, layer, check)
+    tickets = decode_tickets(q.device) if num_splits > 1 and FUSED_DECODE_MERGE else None
+    fused = tickets is not None and B * hkv <= tickets.numel()
+    sp = triton.next_power_of_2(num_splits)
     _decode_kernel[(B, hkv, num_splits)](
         q, k_buffer, v_buffer, table, kv_start, kv_len, out, mid_o, mid_lse, guard.err,
-        call_id, size_limit, table.numel(), scale * _LOG2E, *q.stride(), *out.stride(),
-        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        H=H, G=G, GP=GP, D=D, DP=DP, BLOCK_N=block_n, SPLITS=num_splits,
+        tickets if fused else guard.err, call_id, size_limit, table.numel(), scale * _LOG2E,
+        *q.stride(), *out.stride(), k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1), H=H, G=G, GP=GP, D=D, DP=DP,
+        BLOCK_N=block_n, SPLITS=num_splits, SP=sp, FUSED_MERGE=fused,
         F32DOT=_f32_dot(q.dtype), CHECK=check, num_warps=4,
         num_stages=key_loop_stages(check, True))
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         _merge_kernel[(B, H)](mid_o, mid_lse, out, *out.stride(), H=H, D=D, DP=DP,
                               SPLITS=num_splits, SP=triton.next_power_of_2(num_splits),
                               num_warps=1 if DP <= 64 else 2)
     guard.after_launch()
     return out
+
+
+# The split-K decode's merge inside the decode launch (`_decode_kernel`'s FUSED_MERGE): the
+# separate merge kernel ran 1.33 us a launch at batch 1 on the H100, once a layer (2026-12-05:
+# plain's decode 3.25 us + merge 1.33 us of the ~23 us a layer). EAGLEKV_FUSED_DECODE_MERGE=0
+# keeps the separate kernel. Built on the CPU (interpreter) 2026-12-05 evening: not yet timed.
+FUSED_DECODE_MERGE = os.environ.get("EAGLEKV_FUSED_DECODE_MERGE", "1") != "0"
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+TICKETS = 1 << 16      # (b, kv head) pairs of one decode launch that can merge in it
+
+
+def decode_tickets(device: torch.device) -> torch.Tensor | None:
+    """The device's ticket counters of the fused merge (int32 zeros, each put back to 0 by the
+    launch that used it). Made outside graph capture (the attention backend makes it at
+    construction); None while capturing before it exists (the launch merges separately)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = _TICKETS.get(device)
+    if t is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        t = _TICKETS[device] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return t
 
 
 def extend_tile(max_extend: int, GP: int, DP: int) -> tuple[int, int, bool]:

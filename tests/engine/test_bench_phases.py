@@ -269,8 +269,9 @@ def test_gemv_modes_are_compared_with_cublas(monkeypatch):
 
 def test_xs1_modes_capture_the_unsplit_extend(monkeypatch):
     """`*_xs1` modes build their engine with the verify's extend attention unsplit
-    (attention_triton.EXTEND_SPLITS = 1, put back after); `split_vs_nosplit` is mode / mode_xs1
-    per batch."""
+    (attention_triton.EXTEND_SPLITS = 1), `*_sepmerge` ones with the decode's separate merge
+    kernel (FUSED_DECODE_MERGE off), each put back after; `split_vs_nosplit` is mode /
+    mode_xs1 per batch."""
     pytest.importorskip("triton")
     from eaglekv.bench import gpu
     from eaglekv.kernels import attention_triton as at
@@ -286,10 +287,14 @@ def test_xs1_modes_capture_the_unsplit_extend(monkeypatch):
     monkeypatch.setattr(gpu, "_make_engine",
                         lambda args, mode, b: seen.append((mode, at.EXTEND_SPLITS)))
     monkeypatch.setattr(at, "EXTEND_SPLITS", None)
-    for mode in ("eagle_chain_S5K1N6_xs1", "eagle_chain_S5K1N6"):
+    monkeypatch.setattr(gpu, "_make_engine", lambda args, mode, b: seen.append(
+        (mode, at.EXTEND_SPLITS, at.FUSED_DECODE_MERGE)))
+    monkeypatch.setattr(at, "FUSED_DECODE_MERGE", True)
+    for mode in ("eagle_chain_S5K1N6_xs1", "eagle_chain_S5K1N6", "plain_sepmerge"):
         gpu.make_engine(None, mode, 1)
-    assert seen == [("eagle_chain_S5K1N6_xs1", 1), ("eagle_chain_S5K1N6", None)]
-    assert at.EXTEND_SPLITS is None
+    assert seen == [("eagle_chain_S5K1N6_xs1", 1, True), ("eagle_chain_S5K1N6", None, True),
+                    ("plain_sepmerge", None, False)]
+    assert at.EXTEND_SPLITS is None and at.FUSED_DECODE_MERGE is True
 
 
 def test_jit_loads_names_kernels_first_launched_in_a_timed_run():

@@ -31,7 +31,7 @@ from eaglekv.kernels import attention_triton as at
 
 PTRS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
         "table_ptr": "*i32", "err_ptr": "*i64", "mask_ptr": "*u8", "mid_o_ptr": "*fp32",
-        "mid_lse_ptr": "*fp32"}
+        "mid_lse_ptr": "*fp32", "ticket_ptr": "*i32"}
 
 def copies(fn, constexprs, num_stages):
     sig = {n: PTRS.get(n, "*i64") if n.endswith("_ptr") else
@@ -43,7 +43,8 @@ def copies(fn, constexprs, num_stages):
                        options={"num_warps": 4, "num_stages": num_stages})
     return k.asm["ttgir"].count("async_copy")
 
-DEC = dict(H=9, G=3, GP=16, D=64, DP=64, BLOCK_N=64, SPLITS=4, F32DOT=False)
+DEC = dict(H=9, G=3, GP=16, D=64, DP=64, BLOCK_N=64, SPLITS=4, SP=4, FUSED_MERGE=False,
+           F32DOT=False)
 EXT = dict(H=9, G=3, GP=4, D=64, DP=64, BLOCK_M=16, BLOCK_N=64, CUSTOM=True, F32DOT=False)
 short = 8 <= at.SHORT_EXTEND                                     # a verify window of 8
 out = {f"decode{c}": copies(at._decode_kernel, dict(DEC, CHECK=c), at.key_loop_stages(c, True))
@@ -53,6 +54,16 @@ out |= {f"extend{c}": copies(at._extend_kernel, dict(EXT, CHECK=c),
 out["stages"] = {f"{k}{c}": at.key_loop_stages(c, k == "decode" or short)
                  for k in ("decode", "extend") for c in (0, 1)}
 out["extend1_default"] = copies(at._extend_kernel, dict(EXT, CHECK=1), at.DEFAULT_STAGES)
+fn = at._decode_kernel
+cx = dict(DEC, FUSED_MERGE=True, CHECK=0)
+sig = {n: PTRS.get(n, "*i64") if n.endswith("_ptr") else
+       ("fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
+sig.update({k: "constexpr" for k in cx})
+src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                     options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+out["decode_fused_ticket"] = "atom.global.gpu.acq_rel.add" in ptx
+out["decode_fused_reads_l2"] = "ld.global.cg" in ptx
 out["extend_merge"] = copies(at._extend_merge_kernel, dict(H=9, D=64, DP=64, SP=8),
                             1)
 from eaglekv.kernels import table_guard_triton as tg
@@ -153,3 +164,10 @@ def test_the_split_extend_and_its_merge_compile_for_sm90(async_copies):
     merge kernel (no key loop, nothing to pipeline) compile for the H200: a compile error
     fails the fixture."""
     assert async_copies["extend_merge"] == 0 and "extend0" in async_copies
+
+
+def test_the_fused_decode_merge_takes_its_ticket_with_release_and_acquire(async_copies):
+    """The split-K decode merged in its own launch: for sm_90 the ticket is a gpu-scope
+    acq_rel atomic (the splits' partials are visible to the one that draws the last ticket)
+    and the merge reads them from L2 (`ld.global.cg`), not from a stale L1."""
+    assert async_copies["decode_fused_ticket"] and async_copies["decode_fused_reads_l2"]

@@ -727,3 +727,28 @@ def test_extend_split_k_equals_reference(splits, monkeypatch):
     test_extend_bad_slot("limit", True)
     test_extend_table_position_outside("prefix_past_end", True)
     test_extend_table_position_outside("start_negative", False)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_merge_in_the_decode_launch(fused, monkeypatch):
+    """The split-K decode merged by the last split of each (sequence, kv head) in the decode
+    launch itself (ticket counters) equals the separate merge kernel and the reference, for
+    1-16 splits, empty splits and an empty sequence; every ticket is back to 0 after each
+    launch (a graph replay starts from zeros)."""
+    from eaglekv.kernels import attention_triton as at
+    monkeypatch.setattr(at, "FUSED_DECODE_MERGE", fused)
+    g = torch.Generator().manual_seed(41)
+    H, hkv, D = 9, 3, 64
+    lens = [70, 1, 0, 5]
+    table, start, rows = paged_table(lens, 1, g)
+    kb, vb = kv_buffers(rows, hkv, D, torch.float32, g)
+    q = torch.randn(4, H, D, generator=g)
+    kv_len = torch.tensor(lens)
+    ref = decode_attention_torch(q, kb, vb, table, start, kv_len, 0.125, size_limit=rows)
+    for splits in (1, 2, 3, 16):
+        out = decode_attention(*to_dev(q, kb, vb, table, start, kv_len), 0.125,
+                               size_limit=rows, num_splits=splits)
+        close(out, ref, torch.float32)
+        if fused and splits > 1:
+            assert not at.decode_tickets(torch.device(DEV))[:4 * hkv].any()
+    test_decode_bad_slot("limit", 3)
