@@ -6,7 +6,10 @@
 #   bench/h200_issue13.sh chains  # speculative chains (and multi-step plain) vs one step a sync
 #   bench/h200_issue13.sh gemv    # the gemv kernel: shipped split vs every matmul vs none, S5's
 #                                 # verify in it (gemv8), checked vs unchecked (the kernel rewrites)
+#   bench/h200_issue13.sh next    # the next run's modes (see the case below)
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
+#                                 # (the whole suite takes ~7 min on an H100: split it, e.g.
+#                                 # tests/kernels, then tests/speculative tests/engine ...)
 #   bench/h200_issue13.sh memcheck [PATHS]  # the same under compute-sanitizer memcheck
 # bench env: MODES, BATCHES (1,4,16,64), NEW_TOKENS, WAVES (1: one batch; K: B in flight, B x K
 # in all), WSR (--waiting-served-ratio, 0: admit at once), FLOOR=0 to skip the floor (~140 s),
@@ -54,6 +57,13 @@ case "${1:-bench}" in
   gemv)
     MODES=${MODES:-plain,plain_gemv,plain_cublas,eagle_chain_S5K1N6,eagle_chain_S5K1N6_gemv8,eagle_chain_S5K1N6_cublas,plain_unchecked} \
       BATCHES=${BATCHES:-1,2,4,16,64} LLAMA8B=${LLAMA8B:-" "} FLOOR=${FLOOR:-0} "$0" bench
+    ;;
+  next)
+    # the run planned on 2026-12-05 evening: the decode merge in its launch (fmerge), S5's
+    # verify in the gemv kernel (gemv8), the split-K verify against none (xs1), adaptive
+    # against every fixed shape, the 8B row (one-step and chained), in one process (~330 s)
+    MODES=${MODES:-plain,plain_fmerge,plain_cublas,plain_unchecked,eagle_chain_S5K1N6,eagle_chain_S5K1N6_fmerge,eagle_chain_S5K1N6_gemv8,eagle_chain_S5K1N6_xs1,eagle_chain_S5K1N6_unchecked,eagle_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_tree_S6K4N16,adaptive,adaptive_eagle3_trees} \
+      FLOOR=${FLOOR:-0} "$0" bench
     ;;
   tests)
     shift

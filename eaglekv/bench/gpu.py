@@ -88,17 +88,17 @@ MODES = {"plain": None,
                                          num_draft_tokens=6),
          "eagle3_tree_S6K4N16_xs1": dict(algorithm="eagle3", num_steps=6, topk=4,
                                          num_draft_tokens=16),
-         # the split-K decode merged by a separate kernel (attention_triton.FUSED_DECODE_MERGE
-         # off), the way before 2026-12-05 evening: what merging in the decode launch gains
-         "plain_sepmerge": None,
-         "eagle_chain_S5K1N6_sepmerge": dict(num_steps=5, topk=1, num_draft_tokens=6)}
+         # the split-K decode merged in the decode launch (attention_triton.FUSED_DECODE_MERGE
+         # on; shipped off, the separate merge kernel, until measured): what that gains
+         "plain_fmerge": None,
+         "eagle_chain_S5K1N6_fmerge": dict(num_steps=5, topk=1, num_draft_tokens=6)}
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
-            "_sepmerge")
+            "_fmerge")
 # suffix -> (attribute of kernels/attention_triton.py, its value while the engine is built)
-ATTENTION_VARIANTS = {"_xs1": ("EXTEND_SPLITS", 1), "_sepmerge": ("FUSED_DECODE_MERGE", False)}
+ATTENTION_VARIANTS = {"_xs1": ("EXTEND_SPLITS", 1), "_fmerge": ("FUSED_DECODE_MERGE", True)}
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees")
 
 
@@ -713,14 +713,14 @@ def chained_vs_1step(result: dict) -> None:
     cuBLAS and the separate glue kernels (`gemv_vs_cublas`: mode_gemv / mode, or
     mode / mode_cublas now that the kernel is the default), and the verify's split-K
     extend against the unsplit kernel (`split_vs_nosplit`: mode / mode_xs1), and the decode's
-    merge in its own launch against a separate kernel (`fused_merge_vs_separate`: mode /
-    mode_sepmerge): tokens/s."""
+    merge in its own launch against a separate kernel (`fused_merge_vs_separate`: mode_fmerge
+    / mode): tokens/s."""
     modes = result["modes"]
     for key, suffix, gemv in (("chained_vs_1step", "_1step", False),
                               ("gemv_vs_cublas", "_gemv", True),
                               ("gemv_vs_cublas", "_cublas", False),
                               ("split_vs_nosplit", "_xs1", False),
-                              ("fused_merge_vs_separate", "_sepmerge", False)):
+                              ("fused_merge_vs_separate", "_fmerge", True)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}
         if pairs:

@@ -469,9 +469,10 @@ def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scal
 
 # The split-K decode's merge inside the decode launch (`_decode_kernel`'s FUSED_MERGE): the
 # separate merge kernel ran 1.33 us a launch at batch 1 on the H100, once a layer (2026-12-05:
-# plain's decode 3.25 us + merge 1.33 us of the ~23 us a layer). EAGLEKV_FUSED_DECODE_MERGE=0
-# keeps the separate kernel. Built on the CPU (interpreter) 2026-12-05 evening: not yet timed.
-FUSED_DECODE_MERGE = os.environ.get("EAGLEKV_FUSED_DECODE_MERGE", "1") != "0"
+# plain's decode 3.25 us + merge 1.33 us of the ~23 us a layer). Built on the CPU (interpreter,
+# and compiled for sm_90) 2026-12-05 evening, neither run nor timed on a GPU: off until it is
+# (EAGLEKV_FUSED_DECODE_MERGE=1 or the bench's `*_fmerge` modes turn it on).
+FUSED_DECODE_MERGE = os.environ.get("EAGLEKV_FUSED_DECODE_MERGE", "0") == "1"
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 TICKETS = 1 << 16      # (b, kv head) pairs of one decode launch that can merge in it
 

@@ -269,8 +269,8 @@ def test_gemv_modes_are_compared_with_cublas(monkeypatch):
 
 def test_xs1_modes_capture_the_unsplit_extend(monkeypatch):
     """`*_xs1` modes build their engine with the verify's extend attention unsplit
-    (attention_triton.EXTEND_SPLITS = 1), `*_sepmerge` ones with the decode's separate merge
-    kernel (FUSED_DECODE_MERGE off), each put back after; `split_vs_nosplit` is mode /
+    (attention_triton.EXTEND_SPLITS = 1), `*_fmerge` ones with the decode's merge in its own
+    launch (FUSED_DECODE_MERGE on), each put back after; `split_vs_nosplit` is mode /
     mode_xs1 per batch."""
     pytest.importorskip("triton")
     from eaglekv.bench import gpu
@@ -289,12 +289,12 @@ def test_xs1_modes_capture_the_unsplit_extend(monkeypatch):
     monkeypatch.setattr(at, "EXTEND_SPLITS", None)
     monkeypatch.setattr(gpu, "_make_engine", lambda args, mode, b: seen.append(
         (mode, at.EXTEND_SPLITS, at.FUSED_DECODE_MERGE)))
-    monkeypatch.setattr(at, "FUSED_DECODE_MERGE", True)
-    for mode in ("eagle_chain_S5K1N6_xs1", "eagle_chain_S5K1N6", "plain_sepmerge"):
+    monkeypatch.setattr(at, "FUSED_DECODE_MERGE", False)
+    for mode in ("eagle_chain_S5K1N6_xs1", "eagle_chain_S5K1N6", "plain_fmerge"):
         gpu.make_engine(None, mode, 1)
-    assert seen == [("eagle_chain_S5K1N6_xs1", 1, True), ("eagle_chain_S5K1N6", None, True),
-                    ("plain_sepmerge", None, False)]
-    assert at.EXTEND_SPLITS is None and at.FUSED_DECODE_MERGE is True
+    assert seen == [("eagle_chain_S5K1N6_xs1", 1, False), ("eagle_chain_S5K1N6", None, False),
+                    ("plain_fmerge", None, True)]
+    assert at.EXTEND_SPLITS is None and at.FUSED_DECODE_MERGE is False
 
 
 def test_jit_loads_names_kernels_first_launched_in_a_timed_run():
