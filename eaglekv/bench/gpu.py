@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import datetime
+import importlib
 import io
 import json
 import os
@@ -91,14 +92,24 @@ MODES = {"plain": None,
          # the split-K decode merged in the decode launch (attention_triton.FUSED_DECODE_MERGE
          # on; shipped off, the separate merge kernel, until measured): what that gains
          "plain_fmerge": None,
-         "eagle_chain_S5K1N6_fmerge": dict(num_steps=5, topk=1, num_draft_tokens=6)}
+         "eagle_chain_S5K1N6_fmerge": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         # programmatic dependent launch of the decode step's Triton kernels (kernels/pdl.py,
+         # shipped off until measured): alone, with every matmul in the gemv kernel (every
+         # boundary of a layer then Triton to Triton), and with the fused decode merge
+         "plain_pdl": None,
+         "plain_gemv_pdl": None,
+         "plain_fmerge_pdl": None,
+         "eagle_chain_S5K1N6_pdl": dict(num_steps=5, topk=1, num_draft_tokens=6)}
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
-            "_fmerge")
-# suffix -> (attribute of kernels/attention_triton.py, its value while the engine is built)
-ATTENTION_VARIANTS = {"_xs1": ("EXTEND_SPLITS", 1), "_fmerge": ("FUSED_DECODE_MERGE", True)}
+            "_fmerge", "_pdl")
+# a part of a mode's name -> (module, attribute, its value while the engine is built); parts
+# combine ("plain_fmerge_pdl")
+MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
+                   "fmerge": ("eaglekv.kernels.attention_triton", "FUSED_DECODE_MERGE", True),
+                   "pdl": ("eaglekv.kernels.pdl", "PDL", True)}
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees")
 
 
@@ -138,24 +149,24 @@ def make_engine(args, mode: str, max_batch: int) -> Engine:
     name = split_mode(mode)[0]
     default = fused.FUSE_NORM_MATMUL, fused.FUSE_GEMV, fused.GEMV_MAX_ROWS
     fused.FUSE_NORM_MATMUL = name == "plain_fused"
-    if name.endswith(("_gemv", "_cublas")):
-        fused.FUSE_GEMV = name.endswith("_gemv")
+    parts = name.split("_")
+    if "gemv" in parts or "cublas" in parts:
+        fused.FUSE_GEMV = "gemv" in parts
     if name.endswith("_gemv8"):
         fused.GEMV_MAX_ROWS = 8
-    at, attr = None, None
-    for suffix, (attr_, value) in ATTENTION_VARIANTS.items():
-        if name.endswith(suffix):
-            from eaglekv.kernels import attention_triton as at
-            attr = attr_
-            was = getattr(at, attr)
-            setattr(at, attr, value)
+    undo = []
+    for part, (module, attr, value) in MODULE_VARIANTS.items():
+        if part in parts:
+            mod = importlib.import_module(module)
+            undo.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, value)
     try:                                                  # what the graphs capture
         with mode_checks(mode):
             return _make_engine(args, mode, max_batch)
     finally:
         fused.FUSE_NORM_MATMUL, fused.FUSE_GEMV, fused.GEMV_MAX_ROWS = default
-        if at is not None:
-            setattr(at, attr, was)
+        for mod, attr, was in reversed(undo):
+            setattr(mod, attr, was)
 
 
 def _make_engine(args, mode: str, max_batch: int) -> Engine:
@@ -720,7 +731,8 @@ def chained_vs_1step(result: dict) -> None:
                               ("gemv_vs_cublas", "_gemv", True),
                               ("gemv_vs_cublas", "_cublas", False),
                               ("split_vs_nosplit", "_xs1", False),
-                              ("fused_merge_vs_separate", "_fmerge", True)):
+                              ("fused_merge_vs_separate", "_fmerge", True),
+                              ("pdl_vs_none", "_pdl", True)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}
         if pairs:

@@ -28,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from eaglekv.kernels import pdl
 from eaglekv.kernels.guard import checks_enabled, kv_guard
+from eaglekv.kernels.pdl import gdc_launch_dependents, gdc_wait
 from eaglekv.kernels.table_guard import TablePositions
 
 _BIG = tl.constexpr(2**62)      # larger than any flat table position: neutral for min
@@ -177,7 +179,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
                    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    DP: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                    SP: tl.constexpr, FUSED_MERGE: tl.constexpr, F32DOT: tl.constexpr,
-                   CHECK: tl.constexpr):
+                   CHECK: tl.constexpr, USE_GDC: tl.constexpr = False):
     """Program (b, kv head, split): the G query heads of one kv head (rows padded to GP) over
     keys [lo, hi), lo = split * chunk, hi = min(lo + chunk, kv_len), chunk = cdiv(kv_len,
     SPLITS). SPLITS == 1 writes the output; else the partial output o = acc / l and
@@ -187,10 +189,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
     on ticket[b, kv head], release after its partials are stored, acquire for the one that
     draws SPLITS - 1), and the last one merges its G heads (`_merge_row`) and puts the ticket
     back to 0 for the next launch. Bad slots and positions outside the table are reported by
-    kv head 0 (each key is in one split)."""
+    kv head 0 (each key is in one split). USE_GDC (PDL, kernels/pdl.py): every input is an
+    earlier kernel's output (q, the K/V just stored, the table), so the wait comes first."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2).to(tl.int64)
+    if USE_GDC:
+        gdc_wait()
     kv_len = tl.load(len_ptr + b).to(tl.int64)
     base = tl.load(start_ptr + b).to(tl.int64)
     chunk = (kv_len + SPLITS - 1) // SPLITS
@@ -216,6 +221,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
                                err_ptr, (cid + 1) << 32, CHECK)
         m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slot, load, ok, every, kvh, k_s0, k_s1, v_s0, v_s1,
                                 d, dmask, m_i, l_i, acc, qk_scale, F32DOT)
+    if USE_GDC:
+        gdc_launch_dependents()
     if CHECK:
         if kvh == 0:                                                   # each split its keys
             n_out, key = _outside(base, lo, hi, n_table)
@@ -270,10 +277,14 @@ def _merge_row(mid_o_ptr, mid_lse_ptr, row0, out_addr, o_s2, splits, D: tl.const
 
 @triton.jit
 def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, o_s0, o_s1, o_s2, H: tl.constexpr,
-                  D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+                  D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
+                  USE_GDC: tl.constexpr = False):
     """Program (b, h): the split-K partials of decode query b, head h, merged into out."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    if USE_GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     _merge_row(mid_o_ptr, mid_lse_ptr, (b * H + h) * SPLITS, out_ptr + b * o_s0 + h * o_s1,
                o_s2, SPLITS, D, DP, SP)
 
@@ -451,18 +462,20 @@ def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scal
     tickets = decode_tickets(q.device) if num_splits > 1 and FUSED_DECODE_MERGE else None
     fused = tickets is not None and B * hkv <= tickets.numel()
     sp = triton.next_power_of_2(num_splits)
+    use_pdl = pdl.enabled(q.device)
     _decode_kernel[(B, hkv, num_splits)](
         q, k_buffer, v_buffer, table, kv_start, kv_len, out, mid_o, mid_lse, guard.err,
         tickets if fused else guard.err, call_id, size_limit, table.numel(), scale * _LOG2E,
         *q.stride(), *out.stride(), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), H=H, G=G, GP=GP, D=D, DP=DP,
         BLOCK_N=block_n, SPLITS=num_splits, SP=sp, FUSED_MERGE=fused,
-        F32DOT=_f32_dot(q.dtype), CHECK=check, num_warps=4,
-        num_stages=key_loop_stages(check, True))
+        F32DOT=_f32_dot(q.dtype), CHECK=check, USE_GDC=use_pdl, num_warps=4,
+        num_stages=key_loop_stages(check, True), **pdl.launch_options(use_pdl))
     if num_splits > 1 and not fused:
         _merge_kernel[(B, H)](mid_o, mid_lse, out, *out.stride(), H=H, D=D, DP=DP,
                               SPLITS=num_splits, SP=triton.next_power_of_2(num_splits),
-                              num_warps=1 if DP <= 64 else 2)
+                              USE_GDC=use_pdl, num_warps=1 if DP <= 64 else 2,
+                              **pdl.launch_options(use_pdl))
     guard.after_launch()
     return out
 
@@ -565,11 +578,20 @@ def extend_num_splits(programs: int, short: bool, max_keys: int | None,
     """Splits of a short extend's prefix so that its `programs` (requests x query blocks x kv
     heads) times the splits reach 2 x the SMs, capped at MAX_EXTEND_SPLITS and at
     cdiv(max_keys, MIN_KEYS_PER_SPLIT) (a host bound; None: no bound); 1 for a long extend (a
-    prefill fills the GPU with query blocks) or a grid that has an SM each already."""
-    from eaglekv.kernels.attention import MIN_KEYS_PER_SPLIT, _sm_count
+    prefill fills the GPU with query blocks) or a grid that has an SM each already. Under the
+    interpreter (a CPU device: tests only) 1 unless EXTEND_SPLITS says otherwise: each split
+    is a program it runs in turn (the split tests set it)."""
+    from eaglekv.kernels.attention import _sm_count
     if EXTEND_SPLITS is not None:
         return max(1, EXTEND_SPLITS)
-    sms = _sm_count(device)
+    if device.type != "cuda":
+        return 1
+    return split_count(programs, short, max_keys, _sm_count(device))
+
+
+def split_count(programs: int, short: bool, max_keys: int | None, sms: int) -> int:
+    """`extend_num_splits` for a GPU of `sms` SMs."""
+    from eaglekv.kernels.attention import MIN_KEYS_PER_SPLIT
     if not short or programs >= sms:
         return 1
     want = -(-2 * sms // max(1, programs))

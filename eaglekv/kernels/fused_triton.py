@@ -29,7 +29,9 @@ import triton
 import triton.language as tl
 
 from eaglekv.kernels import store_cache_triton as sct   # its launch-hook check, raw stream
+from eaglekv.kernels import pdl
 from eaglekv.kernels.guard import FLAGS, kv_guard
+from eaglekv.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 MAX_HIDDEN = 8192            # add_rms_norm's kernel holds one whole row in registers
 MAX_CALL_ID = 2**31 - 1      # call ids are passed as i32
@@ -288,7 +290,7 @@ GEMV_CONFIG = dict(zip(("block_n", "block_k", "num_warps"),
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s0, r_s0,
                  w_sk, w_sn, eps, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BY_HAND: tl.constexpr):
+                 BLOCK_K: tl.constexpr, BY_HAND: tl.constexpr, USE_GDC: tl.constexpr = False):
     """Program j: output columns [j*BLOCK_N, (j+1)*BLOCK_N) of all M <= BLOCK_M rows of
         h = x                                              (NORM off), or
         s = round(x + r); h = round(s * rsqrt(mean(s^2) + eps) * nw)    (NORM, as norm_matmul)
@@ -297,13 +299,24 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s
     transpose of an (N, K) row-major weight (nn.Linear's layout, `w_sk == 1`): each program
     streams BLOCK_N whole weight rows, so a decode-sized matmul spreads over N / BLOCK_N
     programs with no split-K. fp32 products summed in fp32, rounded once. Programs j == 0
-    write the new residual s."""
+    write the new residual s. USE_GDC (PDL, kernels/pdl.py): the first weight tile is loaded
+    before waiting on the kernel before (the weights are no kernel's output), the rest after."""
     j = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
     rm = rows < M
     ks = tl.arange(0, BLOCK_K)
     cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cm = cols < N_OUT
+    # tile 0 of W (and of its up half): read before anything an earlier kernel writes
+    km0 = ks < K
+    wm0 = cm[:, None] & km0[None, :]
+    w_at0 = w_ptr + cols[:, None] * w_sn + ks.to(tl.int64)[None, :] * w_sk      # (BN, BK)
+    w0 = tl.load(w_at0, mask=wm0, other=0.0)
+    u0 = w0
+    if SILU:
+        u0 = tl.load(w_at0 + N_OUT * w_sn, mask=wm0, other=0.0)
+    if USE_GDC:
+        gdc_wait()
     inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:
         sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -318,9 +331,18 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s
             s = s.to(tl.float32)
             sq += tl.sum(s * s, axis=1)
         inv = tl.rsqrt(sq / K + eps)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if NORM:                                                              # pass 2: h @ W
+        h = _norm_rows(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, ks, km0, x_s0, r_s0, K,
+                       inv, HAS_RESIDUAL, j == 0, BY_HAND)
+    else:
+        h = tl.load(x_ptr + rows[:, None] * x_s0 + ks[None, :],
+                    mask=rm[:, None] & km0[None, :], other=0.0)
+    h = h.to(tl.float32)[:, None, :]                                      # (BM, 1, BK)
+    acc = tl.sum(h * w0.to(tl.float32)[None, :, :], axis=2)              # (BM, BN)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):                                       # pass 2: h @ W
+    if SILU:
+        acc2 += tl.sum(h * u0.to(tl.float32)[None, :, :], axis=2)
+    for k0 in range(BLOCK_K, K, BLOCK_K):                                 # the other tiles
         kk = k0 + ks
         km = kk < K
         if NORM:
@@ -337,6 +359,8 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s
         if SILU:
             u = tl.load(w_at + N_OUT * w_sn, mask=wm, other=0.0).to(tl.float32)
             acc2 += tl.sum(h * u[None, :, :], axis=2)
+    if USE_GDC:
+        gdc_launch_dependents()
     dt = out_ptr.dtype.element_ty
     y = _round(acc, dt, BY_HAND)
     if SILU:
@@ -358,8 +382,9 @@ def gemv_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, check,
     bn = block_n or GEMV_CONFIG["block_n"]
     bk = min(block_k or GEMV_CONFIG["block_k"], max(16, _pow2(K)))
     nw = num_warps or GEMV_CONFIG["num_warps"]
+    use_pdl = pdl.enabled(x.device)
     key = (_sig(x), residual is None, _sig(r), norm and _sig(norm_weight), _sig(w), silu_mul,
-           bn, bk, nw)
+           bn, bk, nw, use_pdl)
     hit = _GEMV.lookup(key)
     if hit is None:
         check(x, residual, norm_weight, w, silu_mul)
@@ -371,9 +396,9 @@ def gemv_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, check,
         args = (x, r, norm_weight if norm else x, w, out,
                 new_res if new_res is not None else out, M, K, n_out, x.stride(0),
                 r.stride(0), w.stride(0), w.stride(1), eps, norm, residual is not None,
-                silu_mul, _pow2(M), bn, bk, not x.is_cuda)
+                silu_mul, _pow2(M), bn, bk, not x.is_cuda, use_pdl)
         _GEMV.launch(hit, key, (-(-n_out // bn), 1), args, x.get_device(),
-                     num_warps=nw, num_stages=2)
+                     num_warps=nw, num_stages=2, **pdl.launch_options(use_pdl))
     return out, new_res
 
 
@@ -386,7 +411,7 @@ def _rope_store_qkv_kernel(qkv_ptr, s0, s1, s2, cos_ptr, c_s0, c_s1, sin_ptr, n_
                            pos_call, slot_call, num_pos, size_limit, H: tl.constexpr,
                            HKV: tl.constexpr, D: tl.constexpr, HB: tl.constexpr,
                            PB: tl.constexpr, ASSERT: tl.constexpr, BY_HAND: tl.constexpr,
-                           CHECK: tl.constexpr):
+                           CHECK: tl.constexpr, USE_GDC: tl.constexpr = False):
     """Program (t, hb): heads [hb*HB, (hb+1)*HB) of token t, in one index space over the
     H + 2Hkv heads of qkv:
 
@@ -395,9 +420,12 @@ def _rope_store_qkv_kernel(qkv_ptr, s0, s1, s2, cos_ptr, c_s0, c_s1, sin_ptr, n_
         H+Hkv <= h:         v head h-H-Hkv: copy,   store to v_cache[slot, h-H-Hkv]
 
     Pair i of a head is dims (2i, 2i+1): (x0, x1) -> (x0*c - x1*s, x0*s + x1*c) with
-    c = cos[pos, i], s = sin[pos, i], pos = positions[t], slot = out_cache_loc[t]."""
+    c = cos[pos, i], s = sin[pos, i], pos = positions[t], slot = out_cache_loc[t].
+    USE_GDC (PDL): every input is an earlier kernel's output, so the wait comes first."""
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
+    if USE_GDC:
+        gdc_wait()
     pos = tl.load(pos_ptr + t * p_s0).to(tl.int64)
     slot = tl.load(loc_ptr + t * l_s0).to(tl.int64)
     if CHECK:
@@ -431,6 +459,8 @@ def _rope_store_qkv_kernel(qkv_ptr, s0, s1, s2, cos_ptr, c_s0, c_s1, sin_ptr, n_
     # mask operand)
     good = (tl.zeros([HB, PB], dtype=tl.int32) + (slot_ok & pos_ok).to(tl.int32)) != 0
     ok = m & (is_q | good)                                                # (HB, PB)
+    if USE_GDC:
+        gdc_launch_dependents()
     tl.store(dst, y0, mask=ok)
     tl.store(dst + 1, y1, mask=ok)
     # the error record last: a branch on the position or slot ahead of the tile loads made
@@ -450,8 +480,10 @@ def rope_store_qkv_triton(qkv, cos, sin, positions, k_cache, v_cache, out_cache_
                           num_heads: int, num_kv_heads: int, size_limit: int,
                           layer: int | None, check):
     """`check(...)` (fused._check_rope_store's arguments): run on a new signature only."""
+    use_pdl = pdl.enabled(qkv.device)
     key = (_sig(qkv), _sig(cos), _sig(sin), _sig(positions), _sig(out_cache_loc), _sig(k_cache),
-           _sig(v_cache), num_heads, num_kv_heads, size_limit, FLAGS.device_assert, FLAGS.checks)
+           _sig(v_cache), num_heads, num_kv_heads, size_limit, FLAGS.device_assert, FLAGS.checks,
+           use_pdl)
     hit = _ROPE_STORE_QKV.lookup(key)
     if hit is None:
         check(qkv, cos, sin, positions, k_cache, v_cache, out_cache_loc, num_heads,
@@ -476,10 +508,10 @@ def rope_store_qkv_triton(qkv, cos, sin, positions, k_cache, v_cache, out_cache_
             sin, sin.stride(0), sin.stride(1), positions, positions.stride(0), out_cache_loc,
             out_cache_loc.stride(0), q, k_cache, v_cache, guard.err, pos_call, slot_call,
             cos.shape[0], size_limit, num_heads, num_kv_heads, D, hb, pb, FLAGS.device_assert,
-            not qkv.is_cuda, FLAGS.checks)
+            not qkv.is_cuda, FLAGS.checks, use_pdl)
     # tl.device_assert is compiled in only with debug=True
     _ROPE_STORE_QKV.launch(hit, key, (T, -(-nh // hb)), args, qkv.get_device(),
-                           debug=FLAGS.device_assert)
+                           debug=FLAGS.device_assert, **pdl.launch_options(use_pdl))
     guard.after_launch()
     return q
 

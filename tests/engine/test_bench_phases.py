@@ -287,14 +287,22 @@ def test_xs1_modes_capture_the_unsplit_extend(monkeypatch):
     monkeypatch.setattr(gpu, "_make_engine",
                         lambda args, mode, b: seen.append((mode, at.EXTEND_SPLITS)))
     monkeypatch.setattr(at, "EXTEND_SPLITS", None)
+    from eaglekv.kernels import fused, pdl
     monkeypatch.setattr(gpu, "_make_engine", lambda args, mode, b: seen.append(
-        (mode, at.EXTEND_SPLITS, at.FUSED_DECODE_MERGE)))
+        (mode, at.EXTEND_SPLITS, at.FUSED_DECODE_MERGE, pdl.PDL, fused.FUSE_GEMV)))
     monkeypatch.setattr(at, "FUSED_DECODE_MERGE", False)
-    for mode in ("eagle_chain_S5K1N6_xs1", "eagle_chain_S5K1N6", "plain_fmerge"):
+    monkeypatch.setattr(pdl, "PDL", False)
+    monkeypatch.setattr(fused, "FUSE_GEMV", None)
+    for mode in ("eagle_chain_S5K1N6_xs1", "eagle_chain_S5K1N6", "plain_fmerge",
+                 "plain_fmerge_pdl", "plain_gemv_pdl"):
         gpu.make_engine(None, mode, 1)
-    assert seen == [("eagle_chain_S5K1N6_xs1", 1, False), ("eagle_chain_S5K1N6", None, False),
-                    ("plain_fmerge", None, True)]
-    assert at.EXTEND_SPLITS is None and at.FUSED_DECODE_MERGE is False
+    assert seen == [("eagle_chain_S5K1N6_xs1", 1, False, False, None),
+                    ("eagle_chain_S5K1N6", None, False, False, None),
+                    ("plain_fmerge", None, True, False, None),
+                    ("plain_fmerge_pdl", None, True, True, None),
+                    ("plain_gemv_pdl", None, False, True, True)]
+    assert at.EXTEND_SPLITS is None and at.FUSED_DECODE_MERGE is False and pdl.PDL is False
+    assert fused.FUSE_GEMV is None
 
 
 def test_jit_loads_names_kernels_first_launched_in_a_timed_run():

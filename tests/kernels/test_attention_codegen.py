@@ -44,7 +44,7 @@ def copies(fn, constexprs, num_stages):
     return k.asm["ttgir"].count("async_copy")
 
 DEC = dict(H=9, G=3, GP=16, D=64, DP=64, BLOCK_N=64, SPLITS=4, SP=4, FUSED_MERGE=False,
-           F32DOT=False)
+           F32DOT=False, USE_GDC=False)
 EXT = dict(H=9, G=3, GP=4, D=64, DP=64, BLOCK_M=16, BLOCK_N=64, CUSTOM=True, F32DOT=False)
 short = 8 <= at.SHORT_EXTEND                                     # a verify window of 8
 out = {f"decode{c}": copies(at._decode_kernel, dict(DEC, CHECK=c), at.key_loop_stages(c, True))
@@ -91,7 +91,8 @@ ptrs = {"qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "pos_ptr": "
         "err_ptr": "*i64"}
 for c in (0, 1):
     sig = {n: ptrs.get(n, "i32") for n in fn.arg_names}
-    cx = dict(H=9, HKV=3, D=64, HB=16, PB=32, ASSERT=False, BY_HAND=False, CHECK=bool(c))
+    cx = dict(H=9, HKV=3, D=64, HB=16, PB=32, ASSERT=False, BY_HAND=False, CHECK=bool(c),
+              USE_GDC=False)
     sig.update({k: "constexpr" for k in cx})
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -99,6 +100,35 @@ for c in (0, 1):
     first_load = ptx.find("ld.global.b16")
     first_branch = ptx.find(" bra")
     out[f"rope{c}_loads_before_branch"] = first_branch < 0 or 0 <= first_load < first_branch
+# programmatic dependent launch (kernels/pdl.py): each kernel waits before reading anything an
+# earlier kernel writes; the gemv kernel loads its first weight tile before that wait
+def ptx_of(fn, ptrs, cx, **options):
+    sig = {n: ptrs.get(n, "*i64") if n.endswith("_ptr") else
+           ("fp32" if n in ("qk_scale", "eps") else "i32") for n in fn.arg_names}
+    sig.update({k: "constexpr" for k in cx})
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, **options})
+    return k.asm["ptx"], k.metadata
+
+def gdc(ptx):
+    wait, first_ld = ptx.find("griddepcontrol.wait"), ptx.find("ld.global")
+    return {"wait": wait >= 0, "trigger": "griddepcontrol.launch_dependents" in ptx,
+            "load_before_wait": 0 <= first_ld < wait}
+
+gemv_ptrs = {n: "*bf16" for n in ("x_ptr", "r_ptr", "nw_ptr", "w_ptr", "out_ptr", "res_ptr")}
+for norm, silu in ((True, False), (True, True), (False, False)):
+    cx = dict(NORM=norm, HAS_RESIDUAL=norm, SILU=silu, BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024,
+              BY_HAND=False, USE_GDC=True)
+    ptx, meta = ptx_of(ft._gemv_kernel, gemv_ptrs, cx, num_stages=2, launch_pdl=True)
+    out[f"gemv_gdc_{int(norm)}{int(silu)}"] = gdc(ptx)
+    out["launch_pdl_in_metadata"] = bool(getattr(meta, "launch_pdl", False))
+cx = dict(H=9, HKV=3, D=64, HB=16, PB=32, ASSERT=False, BY_HAND=False, CHECK=True, USE_GDC=True)
+out["rope_gdc"] = gdc(ptx_of(ft._rope_store_qkv_kernel, ptrs, cx)[0])
+out["decode_gdc"] = gdc(ptx_of(at._decode_kernel, PTRS, dict(DEC, CHECK=0, USE_GDC=True),
+                               num_stages=3)[0])
+out["merge_gdc"] = gdc(ptx_of(at._merge_kernel, PTRS, dict(H=9, D=64, DP=64, SPLITS=16, SP=16,
+                                                           USE_GDC=True))[0])
 print(json.dumps(out))
 '''
 
@@ -171,3 +201,19 @@ def test_the_fused_decode_merge_takes_its_ticket_with_release_and_acquire(async_
     acq_rel atomic (the splits' partials are visible to the one that draws the last ticket)
     and the merge reads them from L2 (`ld.global.cg`), not from a stale L1."""
     assert async_copies["decode_fused_ticket"] and async_copies["decode_fused_reads_l2"]
+
+
+@pytest.mark.parametrize("kernel", ["gemv_gdc_10", "gemv_gdc_11", "gemv_gdc_00"])
+def test_the_gemv_kernel_prefetches_its_weights_before_the_pdl_wait(async_copies, kernel):
+    """Under PDL (kernels/pdl.py) the matrix-vector kernel loads its first weight tile (no
+    kernel's output) before `griddepcontrol.wait`, reads the activations after it, and lets
+    the next kernel launch; the launch option reaches the compiled kernel's metadata."""
+    assert async_copies[kernel] == {"wait": True, "trigger": True, "load_before_wait": True}
+    assert async_copies["launch_pdl_in_metadata"]
+
+
+@pytest.mark.parametrize("kernel", ["rope_gdc", "decode_gdc", "merge_gdc"])
+def test_pdl_kernels_wait_before_their_first_load(async_copies, kernel):
+    """RoPE + K/V store, decode attention and its merge read only what earlier kernels wrote:
+    under PDL their first global load comes after `griddepcontrol.wait`."""
+    assert async_copies[kernel] == {"wait": True, "trigger": True, "load_before_wait": False}

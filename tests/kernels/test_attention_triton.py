@@ -692,13 +692,14 @@ def test_extend_num_splits():
     with fewer programs than SMs; up to 2 x the SMs in all, capped at MAX_EXTEND_SPLITS and by
     the keys a request can have; EXTEND_SPLITS forces a count."""
     from eaglekv.kernels import attention_triton as at
-    cpu = torch.device("cpu")                                  # sized as an H200's 132 SMs
-    assert at.extend_num_splits(3, True, 2048, cpu) == at.MAX_EXTEND_SPLITS == 8
-    assert at.extend_num_splits(3, True, None, cpu) == 8
-    assert at.extend_num_splits(3, True, 100, cpu) == 2        # 100 keys: 2 splits of 64
-    assert at.extend_num_splits(48, True, 2048, cpu) == 6      # 264 / 48
-    assert at.extend_num_splits(132, True, 2048, cpu) == 1     # an SM each already
-    assert at.extend_num_splits(3, False, 2048, cpu) == 1      # a prefill
+    cpu = torch.device("cpu")
+    assert at.split_count(3, True, 2048, 132) == at.MAX_EXTEND_SPLITS == 8   # an H200's SMs
+    assert at.split_count(3, True, None, 132) == 8
+    assert at.split_count(3, True, 100, 132) == 2        # 100 keys: 2 splits of 64
+    assert at.split_count(48, True, 2048, 132) == 6      # 264 / 48
+    assert at.split_count(132, True, 2048, 132) == 1     # an SM each already
+    assert at.split_count(3, False, 2048, 132) == 1      # a prefill
+    assert at.extend_num_splits(3, True, 2048, cpu) == 1  # the interpreter: unless forced
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(at, "EXTEND_SPLITS", 1)
         assert at.extend_num_splits(3, True, 2048, cpu) == 1
