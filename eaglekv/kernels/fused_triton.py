@@ -287,6 +287,21 @@ GEMV_CONFIG = dict(zip(("block_n", "block_k", "num_warps"),
 
 
 @triton.jit
+def _gemv_input(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, kk, km, x_s0, r_s0, K, inv,
+                STORE_RESIDUAL, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                BY_HAND: tl.constexpr):
+    """The gemv's input tile, columns kk: the normed rows (`_norm_rows`) or x as it is, in
+    fp32 as (BLOCK_M, 1, BLOCK_K)."""
+    if NORM:
+        h = _norm_rows(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, kk, km, x_s0, r_s0, K, inv,
+                       HAS_RESIDUAL, STORE_RESIDUAL, BY_HAND)
+    else:
+        h = tl.load(x_ptr + rows[:, None] * x_s0 + kk[None, :], mask=rm[:, None] & km[None, :],
+                    other=0.0)
+    return h.to(tl.float32)[:, None, :]
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s0, r_s0,
                  w_sk, w_sn, eps, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -331,13 +346,8 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s
             s = s.to(tl.float32)
             sq += tl.sum(s * s, axis=1)
         inv = tl.rsqrt(sq / K + eps)
-    if NORM:                                                              # pass 2: h @ W
-        h = _norm_rows(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, ks, km0, x_s0, r_s0, K,
-                       inv, HAS_RESIDUAL, j == 0, BY_HAND)
-    else:
-        h = tl.load(x_ptr + rows[:, None] * x_s0 + ks[None, :],
-                    mask=rm[:, None] & km0[None, :], other=0.0)
-    h = h.to(tl.float32)[:, None, :]                                      # (BM, 1, BK)
+    h = _gemv_input(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, ks, km0, x_s0, r_s0, K, inv,
+                    j == 0, NORM, HAS_RESIDUAL, BY_HAND)                  # pass 2: h @ W
     acc = tl.sum(h * w0.to(tl.float32)[None, :, :], axis=2)              # (BM, BN)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SILU:
@@ -345,13 +355,8 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s
     for k0 in range(BLOCK_K, K, BLOCK_K):                                 # the other tiles
         kk = k0 + ks
         km = kk < K
-        if NORM:
-            h = _norm_rows(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, kk, km, x_s0, r_s0, K,
-                           inv, HAS_RESIDUAL, j == 0, BY_HAND)
-        else:
-            h = tl.load(x_ptr + rows[:, None] * x_s0 + kk[None, :],
-                        mask=rm[:, None] & km[None, :], other=0.0)
-        h = h.to(tl.float32)[:, None, :]                                  # (BM, 1, BK)
+        h = _gemv_input(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, kk, km, x_s0, r_s0, K, inv,
+                        j == 0, NORM, HAS_RESIDUAL, BY_HAND)
         wm = cm[:, None] & km[None, :]
         w_at = w_ptr + cols[:, None] * w_sn + kk.to(tl.int64)[None, :] * w_sk   # (BN, BK)
         w = tl.load(w_at, mask=wm, other=0.0).to(tl.float32)
