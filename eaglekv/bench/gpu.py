@@ -387,6 +387,9 @@ def run_modes(args, modes: list[str], batches: list[int]) -> dict:
         for B in batches:
             row = {"tokens_per_s": statistics.median(runs[m][B]), "runs": runs[m][B],
                    **stats[m].get(B, {})}
+            rate = decode_rate(row.get("phases", []), B, args.new_tokens, waves)
+            if rate is not None:
+                row["decode_tokens_per_s"] = rate
             if "plain" in toks and m != "plain":
                 same = sum(a == b for a, b in zip(toks[m][B], toks["plain"][B]))
                 row["greedy_identical_to_plain"] = f"{same}/{len(ps[B])} requests"
@@ -614,11 +617,25 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def table(result: dict) -> str:
-    """Markdown: tokens/s per mode and batch size (x plain in brackets)."""
+def decode_rate(phases: list[dict], batch: int, new_tokens: int,
+                waves: int = 1) -> float | None:
+    """Tokens a second of the decode steps alone (the median over the runs): the B x (n - 1)
+    tokens after each request's first, over the decode steps' wall. The prefill (an eager
+    forward, 10-60 ms a run at batch 1 on an H100 and the noisiest part of a run) is left out,
+    as the compiled-graph floor leaves it out. None for waves > 1 (later waves' prefills are
+    among the decode steps) or a run without decode steps."""
+    if waves != 1 or not phases or any(p.get("decode_ms", 0) <= 0 for p in phases):
+        return None
+    return statistics.median(batch * (new_tokens - 1) / (p["decode_ms"] / 1e3) for p in phases)
+
+
+def table(result: dict, key: str = "tokens_per_s") -> str:
+    """Markdown: `key` (tokens/s, or `decode_tokens_per_s`: the decode steps alone) per mode and
+    batch size (x plain in brackets)."""
     modes = result["modes"]
     bs = sorted({int(b) for m in modes.values() for b in m["rows"]})
-    lines = ["| tok/s | " + " | ".join(f"batch {b}" for b in bs) + " |",
+    head = "tok/s" if key == "tokens_per_s" else "decode tok/s (prefill excluded)"
+    lines = [f"| {head} | " + " | ".join(f"batch {b}" for b in bs) + " |",
              "|---" * (len(bs) + 1) + "|"]
     for name, m in modes.items():
         cells = []
@@ -627,12 +644,12 @@ def table(result: dict) -> str:
         plain = modes.get(base, {}).get("rows", {})
         for b in bs:
             r = m["rows"].get(b)
-            if r is None:
+            if r is None or key not in r:
                 cells.append("")
                 continue
-            x = (f" ({r['tokens_per_s'] / plain[b]['tokens_per_s']:.2f}x)"
-                 if name != base and b in plain else "")
-            cells.append(f"{r['tokens_per_s']:.1f}{x}")
+            x = (f" ({r[key] / plain[b][key]:.2f}x)"
+                 if name != base and b in plain and key in plain[b] else "")
+            cells.append(f"{r[key]:.1f}{x}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     floor = result.get("floor", {}).get("smollm2_shape", {}).get("compiled_graph_tok_s")
     if floor:
@@ -663,6 +680,12 @@ def compare(result: dict) -> None:
         result.setdefault("speedup_vs_plain", {}).update({
             mode: {B: m["rows"][B]["tokens_per_s"] / plain[B]["tokens_per_s"]
                    for B in m["rows"] if B in plain}
+            for mode, m in modes.items() if mode != "plain" + at
+            and (split_mode(mode)[1] or "") == lib})
+        key = "decode_tokens_per_s"                    # the decode steps alone
+        result.setdefault("speedup_vs_plain_decode", {}).update({
+            mode: {B: m["rows"][B][key] / plain[B][key] for B in m["rows"]
+                   if B in plain and key in m["rows"][B] and key in plain[B]}
             for mode, m in modes.items() if mode != "plain" + at
             and (split_mode(mode)[1] or "") == lib})
         fixed = [m for m in modes if m.startswith("eagle") and (split_mode(m)[1] or "") == lib
@@ -778,11 +801,16 @@ def main(args) -> None:
         result["floor"] = floor_rows(args.floor)
         f = result["floor"].get("smollm2_shape", {}).get("compiled_graph_tok_s")
         if f and "plain" in result["modes"] and 1 in result["modes"]["plain"]["rows"]:
-            result["plain_batch_1_vs_floor"] = \
-                result["modes"]["plain"]["rows"][1]["tokens_per_s"] / f
+            row1 = result["modes"]["plain"]["rows"][1]
+            result["plain_batch_1_vs_floor"] = row1["tokens_per_s"] / f
+            if "decode_tokens_per_s" in row1:     # like for like: the floor is decode only
+                result["plain_batch_1_decode_vs_floor"] = row1["decode_tokens_per_s"] / f
     text = json.dumps(result, indent=2)
     print(text)
     print(table(result))
+    if any("decode_tokens_per_s" in r for m in result["modes"].values()
+           for r in m["rows"].values()):
+        print(table(result, "decode_tokens_per_s"))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         kind = "gpu" if args.device.startswith("cuda") else "cpu"

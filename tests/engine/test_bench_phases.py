@@ -323,3 +323,28 @@ def test_jit_loads_names_kernels_first_launched_in_a_timed_run():
              is_manual_warmup=False, already_compiled=False)
     assert loaded == ["_extend_kernel", "_extend_merge_kernel"]
     assert knobs.runtime.jit_cache_hook is before
+
+
+def test_decode_rate_leaves_the_prefill_out():
+    """`decode_tokens_per_s`: the B x (n - 1) tokens after each request's first over the
+    decode steps' wall, the median over the runs; none with waves (later prefills are among the
+    decode steps); its own table (the floor in it: the floor is decode only) and ratios."""
+    from eaglekv.bench.gpu import compare, decode_rate, table
+    ph = [{"decode_ms": 100.0, "prefill_ms": 20.0}, {"decode_ms": 200.0, "prefill_ms": 50.0},
+          {"decode_ms": 400.0, "prefill_ms": 9.0}]
+    assert decode_rate(ph, 2, 101) == pytest.approx(2 * 100 / 0.2)        # the median run
+    assert decode_rate(ph, 2, 101, waves=4) is None
+    assert decode_rate([{"decode_ms": 0.0}], 1, 8) is None
+    result = {"modes": {"plain": {"rows": {1: {"tokens_per_s": 900.0,
+                                               "decode_tokens_per_s": 1000.0}}},
+                        "eagle_chain_S5K1N6": {"rows": {1: {"tokens_per_s": 1800.0,
+                                                            "decode_tokens_per_s": 2500.0}}}},
+              "floor": {"smollm2_shape": {"compiled_graph_tok_s": 1100.0}}}
+    compare(result)
+    assert result["speedup_vs_plain"]["eagle_chain_S5K1N6"][1] == 2.0
+    assert result["speedup_vs_plain_decode"]["eagle_chain_S5K1N6"][1] == 2.5
+    text = table(result, "decode_tokens_per_s")
+    assert "| decode tok/s (prefill excluded) | batch 1 |" in text
+    assert "| eagle_chain_S5K1N6 | 2500.0 (2.50x) |" in text
+    assert "| floor: torch.compile + one CUDA graph (same process) | 1100.0 |" in text
+    assert "| eagle_chain_S5K1N6 | 1800.0 (2.00x) |" in table(result)
