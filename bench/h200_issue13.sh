@@ -63,7 +63,7 @@ case "${1:-bench}" in
     # decode merge in its launch (fmerge), S5's
     # verify in the gemv kernel (gemv8), the split-K verify against none (xs1), adaptive
     # against every fixed shape, the 8B row (one-step and chained), in one process (~330 s)
-    MODES=${MODES:-plain,plain_fmerge,plain_pdl,plain_gemv,plain_gemv_pdl,plain_fmerge_pdl,eagle_chain_S5K1N6_pdl,plain_cublas,plain_unchecked,eagle_chain_S5K1N6,eagle_chain_S5K1N6_fmerge,eagle_chain_S5K1N6_gemv8,eagle_chain_S5K1N6_xs1,eagle_chain_S5K1N6_unchecked,eagle_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_tree_S6K4N16,adaptive,adaptive_eagle3_trees} \
+    MODES=${MODES:-plain,plain_fmerge,plain_pdl,plain_gemv,plain_gemv_pdl,plain_fmerge_pdl,eagle_chain_S5K1N6_pdl,plain_k64,eagle_chain_S5K1N6_k64,plain_cublas,plain_unchecked,eagle_chain_S5K1N6,eagle_chain_S5K1N6_fmerge,eagle_chain_S5K1N6_gemv8,eagle_chain_S5K1N6_xs1,eagle_chain_S5K1N6_unchecked,eagle_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_tree_S6K4N16,adaptive,adaptive_eagle3_trees} \
       FLOOR=${FLOOR:-0} "$0" bench
     ;;
   tests)

@@ -99,12 +99,16 @@ MODES = {"plain": None,
          "plain_pdl": None,
          "plain_gemv_pdl": None,
          "plain_fmerge_pdl": None,
+         # num_scheduler_steps=64: twice the shipped chain (32 tokens a sync for plain; 11
+         # whole S5 steps instead of 6): what the host's work between chains costs
+         "plain_k64": None,
+         "eagle_chain_S5K1N6_k64": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "eagle_chain_S5K1N6_pdl": dict(num_steps=5, topk=1, num_draft_tokens=6)}
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
-            "_fmerge", "_pdl")
+            "_fmerge", "_pdl", "_k64")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -180,7 +184,13 @@ def _make_engine(args, mode: str, max_batch: int) -> Engine:
                                speculative=sc, disable_cuda_graph=args.disable_cuda_graph,
                                waiting_served_ratio=getattr(args, "waiting_served_ratio", 0.0),
                                max_waiting_steps=getattr(args, "max_waiting_steps", 20),
-                               num_scheduler_steps=1 if mode.endswith("_1step") else None))
+                               num_scheduler_steps=scheduler_steps(mode)))
+
+
+def scheduler_steps(mode: str) -> int | None:
+    """num_scheduler_steps of a mode: 1 (`*_1step`), 64 (`*_k64`), else the default."""
+    parts = mode.split("_")
+    return 1 if "1step" in parts else 64 if "k64" in parts else None
 
 
 def prompts(engine: Engine, B: int) -> list[list[int]]:
@@ -755,7 +765,8 @@ def chained_vs_1step(result: dict) -> None:
                               ("gemv_vs_cublas", "_cublas", False),
                               ("split_vs_nosplit", "_xs1", False),
                               ("fused_merge_vs_separate", "_fmerge", True),
-                              ("pdl_vs_none", "_pdl", True)):
+                              ("pdl_vs_none", "_pdl", True),
+                              ("chain64_vs_default", "_k64", True)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}
         if pairs:

@@ -348,3 +348,15 @@ def test_decode_rate_leaves_the_prefill_out():
     assert "| eagle_chain_S5K1N6 | 2500.0 (2.50x) |" in text
     assert "| floor: torch.compile + one CUDA graph (same process) | 1100.0 |" in text
     assert "| eagle_chain_S5K1N6 | 1800.0 (2.00x) |" in table(result)
+
+
+def test_chain_length_modes():
+    """`*_1step` modes sync every step, `*_k64` ones chain 64 tokens (twice the default), the
+    others the default; `chain64_vs_default` is mode_k64 / mode."""
+    from eaglekv.bench import gpu
+    assert [gpu.scheduler_steps(m) for m in ("plain_1step", "eagle_chain_S5K1N6_k64",
+                                             "plain", "adaptive_1step")] == [1, 64, None, 1]
+    result = {"modes": {"plain": {"rows": {1: {"tokens_per_s": 100.0}}},
+                        "plain_k64": {"rows": {1: {"tokens_per_s": 110.0}}}}}
+    gpu.chained_vs_1step(result)
+    assert result["chain64_vs_default"]["plain"][1]["tokens_per_s"] == pytest.approx(1.1)
