@@ -13,7 +13,8 @@
 #   bench/h200_issue13.sh memcheck [PATHS]  # the same under compute-sanitizer memcheck
 # bench env: MODES, BATCHES (1,4,16,64), NEW_TOKENS, WAVES (1: one batch; K: B in flight, B x K
 # in all), WSR (--waiting-served-ratio, 0: admit at once), FLOOR=0 to skip the floor (~140 s),
-# LLAMA8B=" " to skip the 8B row. The modes need the shipped heads in the tree (eagle_* and
+# LLAMA8B=" " to skip the 8B row, CHECKS_REPLAY=1 to replay the graphs checked and unchecked
+# in alternation (`--checks-replay`). The modes need the shipped heads in the tree (eagle_* and
 # adaptive the EAGLE-1/2 head, eagle3_* and adaptive_eagle3* the EAGLE-3 one): a slimmed
 # tree carries them (.carry/slimmed/eaglekv/drafts/*) and copies them back first.
 set -uo pipefail
@@ -31,7 +32,7 @@ case "${1:-bench}" in
     [ "${FLOOR:-1}" = 1 ] && floor=(--floor .carry/graph_floor.py)
     timeout "${BENCH_TIMEOUT:-560}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
       --model "$M" --new-tokens "${NEW_TOKENS:-256}" --repeats 2 ${LLAMA8B:---llama8b} \
-      ${floor[@]+"${floor[@]}"} \
+      ${floor[@]+"${floor[@]}"} ${CHECKS_REPLAY:+--checks-replay} \
       --batches "${BATCHES:-1,4,16,64}" --waves "${WAVES:-1}" \
       --waiting-served-ratio "${WSR:-0}" \
       --modes "${MODES:-plain,eagle_chain_S3K1N4,eagle_chain_S5K1N6,eagle_tree_S4K2N8,adaptive}" \
@@ -63,8 +64,8 @@ case "${1:-bench}" in
     # decode merge in its launch (fmerge), S5's
     # verify in the gemv kernel (gemv8), the split-K verify against none (xs1), adaptive
     # against every fixed shape, the 8B row (one-step and chained), in one process (~330 s)
-    MODES=${MODES:-plain,plain_fmerge,plain_pdl,plain_gemv,plain_gemv_pdl,plain_fmerge_pdl,eagle_chain_S5K1N6_pdl,plain_k64,eagle_chain_S5K1N6_k64,plain_cublas,plain_unchecked,eagle_chain_S5K1N6,eagle_chain_S5K1N6_fmerge,eagle_chain_S5K1N6_gemv8,eagle_chain_S5K1N6_xs1,eagle_chain_S5K1N6_unchecked,eagle_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_tree_S6K4N16,adaptive,adaptive_eagle3_trees} \
-      FLOOR=${FLOOR:-0} "$0" bench
+    MODES=${MODES:-plain,plain_fmerge,plain_pdl,plain_gemv,plain_gemv_pdl,plain_fmerge_pdl,eagle_chain_S5K1N6_pdl,eagle_chain_S5K1N6_fmerge_pdl,plain_k64,eagle_chain_S5K1N6_k64,plain_unchecked,eagle_chain_S5K1N6,eagle_chain_S5K1N6_fmerge,eagle_chain_S5K1N6_gemv8,eagle_chain_S5K1N6_unchecked,eagle_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_tree_S6K4N16,adaptive,adaptive_eagle3_trees} \
+      CHECKS_REPLAY=${CHECKS_REPLAY-1} FLOOR=${FLOOR:-0} "$0" bench
     ;;
   tests)
     shift

@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--floor", default=None, metavar="GRAPH_FLOOR_PY", help="--device cuda: "
                    "run the floor script (../shared/tools/graph_floor.py) in this process "
                    "after the modes, into the JSON and the plot")
+    b.add_argument("--checks-replay", action="store_true", help="--device cuda: the "
+                   "decode and verify graphs captured checked and unchecked, replayed in "
+                   "alternation (what the index checks cost a step, device side)")
     b.add_argument("--llama8b", action="store_true", help="--device cuda: add the decode "
                    "step of a Llama-3.1-8B shape (random weights) against its roofline")
     t = sub.add_parser("train-draft", help="train an EAGLE-1/2 draft head by self-distillation "

@@ -27,6 +27,7 @@ import runpy
 import statistics
 import time
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -103,7 +104,8 @@ MODES = {"plain": None,
          # whole S5 steps instead of 6): what the host's work between chains costs
          "plain_k64": None,
          "eagle_chain_S5K1N6_k64": dict(num_steps=5, topk=1, num_draft_tokens=6),
-         "eagle_chain_S5K1N6_pdl": dict(num_steps=5, topk=1, num_draft_tokens=6)}
+         "eagle_chain_S5K1N6_pdl": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         "eagle_chain_S5K1N6_fmerge_pdl": dict(num_steps=5, topk=1, num_draft_tokens=6)}
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
@@ -467,9 +469,7 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
     as a captured graph at batch 1, against weights / copy bandwidth."""
     from transformers import AutoConfig
 
-    from eaglekv.attention.triton_backend import TritonAttentionBackend
     from eaglekv.cuda_graph import DecodeGraphs, VerifyGraphs
-    from eaglekv.memory import KVPool, ReqToTokenPool
     from eaglekv.model import LlamaForCausalLM
     from eaglekv.model.config import ModelConfig
     from eaglekv.model.llama import expected_tensors
@@ -485,15 +485,8 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
     weight_bytes = sum(x.numel() * x.element_size() for layer in model.layers
                        for x in (layer.qkv, layer.o, layer.gate_up, layer.down)) \
         + model.lm_head_t.numel() * 2 + (0 if model.embed is None else 4096 * 2)
-    r2t = ReqToTokenPool(1, context + steps + 8, device="cuda")
-    pool = KVPool(context + steps + 8, 1, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                  torch.bfloat16, "cuda")
-    row = r2t.alloc()
-    r2t.req_to_token[row, :context + steps + 8] = torch.arange(
-        1, context + steps + 9, device="cuda", dtype=torch.int32)
-    backend = TritonAttentionBackend(pool, r2t)
+    pool, backend, (row,) = replay_rig(mc, 1, context + steps + 8)
     from eaglekv.kernels import fused
-    import numpy as np
 
     def decode_step_s(graphs) -> float:
         times = []
@@ -579,6 +572,91 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
            "kernel_top": kernel_top(kernels, 5), "verify_vs_decode": verify}
     del graphs, model, pool, backend
     torch.cuda.empty_cache()
+    return out
+
+
+def replay_rig(mc, batch: int, kv_len: int, dtype=torch.bfloat16):
+    """A KV pool and a Triton backend for `batch` requests of up to `kv_len` tokens each,
+    request i's table row mapping its positions to slots of its own (none to the padding
+    page): graphs replayed over it outside an engine. -> (pool, backend, rows)."""
+    from eaglekv.attention.triton_backend import TritonAttentionBackend
+    from eaglekv.memory import KVPool, ReqToTokenPool
+    r2t = ReqToTokenPool(batch, kv_len, device="cuda")
+    pool = KVPool(batch * kv_len, 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, "cuda")
+    rows = [r2t.alloc() for _ in range(batch)]
+    for i, row in enumerate(rows):      # slot 0 is the padding page's
+        r2t.req_to_token[row, :kv_len] = torch.arange(
+            1 + i * kv_len, 1 + (i + 1) * kv_len, device="cuda", dtype=torch.int32)
+    return pool, TritonAttentionBackend(pool, r2t), rows
+
+
+def checks_replay_row(model, batches=(1, 64), context: int = 256, k: int = 8,
+                      rounds: int = 15, N: int = 6) -> dict:
+    """What the index checks cost a replayed step, device side: for each batch, the decode
+    graph captured as shipped (checked) and under `guard.unchecked()`, and the same for a
+    verify of N tokens, replayed in alternation (`rounds` times a chain of k decode steps, or
+    k verifies, each), every block timed by CUDA events. The alternation takes the drift of
+    the GPU's clock out of the ratio that end-to-end tokens/s (2-9% between repeats) cannot
+    show: -> per batch and graph, the median step of each and the median of the per-round
+    checked / unchecked ratios with their spread."""
+    from eaglekv.cuda_graph import DecodeGraphs, VerifyGraphs
+    from eaglekv.kernels import guard
+    mc = model.cfg
+    out = {"context": context, "chain_steps": k, "rounds": rounds, "verify_tokens": N}
+    for B in batches:
+        pool, backend, rows = replay_rig(mc, B, context + k + N + 8, model.dtype)
+        graphs = {}
+        for checked in (True, False):
+            with contextlib.ExitStack() as stack:
+                if not checked:
+                    stack.enter_context(guard.unchecked())
+                graphs[checked] = (DecodeGraphs(model, backend, B, context + k + N + 8,
+                                                progress=False),
+                                   VerifyGraphs(model, backend, B, N, progress=False))
+        # every request at `context`: its first context slots hold whatever the pool holds
+        pos = [context] * B
+        slots = (np.arange(k)[:, None] + context + 1
+                 + np.arange(B)[None, :] * (context + k + N + 8))
+        vpos = (torch.arange(N, device="cuda") + context).repeat(B)
+        vslots = (vpos + 1 + torch.arange(B, device="cuda").repeat_interleave(N)
+                  * (context + k + N + 8))
+        vmask = torch.ones(N, N, dtype=torch.bool, device="cuda").tril().expand(B, N, N)
+        vargs = (torch.full((B * N,), 7, device="cuda"), vpos,
+                 torch.tensor(rows, device="cuda"), torch.full((B,), context, device="cuda"),
+                 vslots, vmask)
+
+        def block(checked: bool, verify: bool) -> float:
+            dg, vg = graphs[checked]
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            if verify:
+                for _ in range(k):
+                    vg.run(*vargs)
+            else:
+                dg.replay_chain([7] * B, pos, rows, slots)
+            e1.record()
+            sync()
+            return e0.elapsed_time(e1) / 1e3 / k
+
+        row = {}
+        with torch.inference_mode():
+            for verify in (False, True):
+                for c in (True, False, True, False):                      # warm-up
+                    block(c, verify)
+                t = {True: [], False: []}
+                for _ in range(rounds):
+                    for c in (True, False):
+                        t[c].append(block(c, verify))
+                ratios = sorted(a / b for a, b in zip(t[True], t[False]))
+                row["verify" if verify else "decode"] = {
+                    "checked_ms": 1e3 * statistics.median(t[True]),
+                    "unchecked_ms": 1e3 * statistics.median(t[False]),
+                    "checked_vs_unchecked": statistics.median(ratios),
+                    "ratio_p10_p90": [ratios[len(ratios) // 10],
+                                      ratios[(9 * len(ratios)) // 10]]}
+        out[B] = row
+        del graphs, pool, backend
+        torch.cuda.empty_cache()
     return out
 
 
@@ -806,6 +884,17 @@ def main(args) -> None:
         from eaglekv.model.loader import load_checkpoint
         ids = load_checkpoint(args.model).tokenizer.encode(PROMPT)
         result["hf_transformers"] = hf_row(args, ids)
+    if getattr(args, "checks_replay", False) and args.device.startswith("cuda"):
+        from eaglekv.model import LlamaForCausalLM
+        from eaglekv.model.loader import load_checkpoint
+        ckpt = load_checkpoint(args.model, dtype=getattr(torch, args.dtype))
+        model = LlamaForCausalLM.from_fused(ckpt.config, ckpt.state_dict, "cuda",
+                                            max_positions=1024)
+        try:     # new on 2026-12-05 (night), not yet run on a GPU: a failure costs this row
+            result["checks_replay"] = checks_replay_row(model)
+        except Exception as e:                          # noqa: BLE001
+            result["checks_replay"] = {"error": repr(e)}
+        del model, ckpt
     if args.llama8b and args.device.startswith("cuda"):
         result["llama8b"] = llama8b_row()
     if getattr(args, "floor", None) and args.device.startswith("cuda"):
