@@ -105,17 +105,24 @@ MODES = {"plain": None,
          "plain_k64": None,
          "eagle_chain_S5K1N6_k64": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "eagle_chain_S5K1N6_pdl": dict(num_steps=5, topk=1, num_draft_tokens=6),
-         "eagle_chain_S5K1N6_fmerge_pdl": dict(num_steps=5, topk=1, num_draft_tokens=6)}
+         "eagle_chain_S5K1N6_fmerge_pdl": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         # PDL off (shipped on since 2026-12-05 night, and with it every decode-sized matmul
+         # in the gemv kernel): the engine the way before, cuBLAS for o, down and lm_head
+         "plain_nopdl": None,
+         "eagle_chain_S5K1N6_nopdl": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         "eagle3_chain_S5K1N6_nopdl": dict(algorithm="eagle3", num_steps=5, topk=1,
+                                           num_draft_tokens=6)}
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
-            "_fmerge", "_pdl", "_k64")
+            "_fmerge", "_pdl", "_nopdl", "_k64")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
                    "fmerge": ("eaglekv.kernels.attention_triton", "FUSED_DECODE_MERGE", True),
-                   "pdl": ("eaglekv.kernels.pdl", "PDL", True)}
+                   "pdl": ("eaglekv.kernels.pdl", "PDL", True),
+                   "nopdl": ("eaglekv.kernels.pdl", "PDL", False)}
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees")
 
 
@@ -836,7 +843,8 @@ def chained_vs_1step(result: dict) -> None:
     mode / mode_cublas now that the kernel is the default), and the verify's split-K
     extend against the unsplit kernel (`split_vs_nosplit`: mode / mode_xs1), and the decode's
     merge in its own launch against a separate kernel (`fused_merge_vs_separate`: mode_fmerge
-    / mode): tokens/s."""
+    / mode), and PDL against none (`pdl_vs_none`: mode_pdl / mode, or mode / mode_nopdl now
+    that it is the default): tokens/s."""
     modes = result["modes"]
     for key, suffix, gemv in (("chained_vs_1step", "_1step", False),
                               ("gemv_vs_cublas", "_gemv", True),
@@ -844,6 +852,7 @@ def chained_vs_1step(result: dict) -> None:
                               ("split_vs_nosplit", "_xs1", False),
                               ("fused_merge_vs_separate", "_fmerge", True),
                               ("pdl_vs_none", "_pdl", True),
+                              ("pdl_vs_none", "_nopdl", False),
                               ("chain64_vs_default", "_k64", True)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}

@@ -195,16 +195,27 @@ GEMV_MAX_ROWS = 4            # decode-sized batches; from 8 rows on cuBLAS's til
 # 47.2 / 44.2, lm_head 23.6 / 22.8; explore_gemv2_h100_20261205.json). Before this tiling
 # (8 rows a program, K in 256-wide blocks) the kernel was slower than cuBLAS everywhere
 # (958 -> 782 tok/s on the H200) and shipped off.
-# None (the default): the fused matmuls on CUDA; EAGLEKV_GEMV=0: off (False); =1: every
-# decode-sized matmul wherever Triton runs (True: the CPU interpreter in tests, and the bench's
-# `*_gemv` modes). Read when a model is built (the weights' layout) and when graphs capture.
+# With programmatic dependent launch (kernels/pdl.py, sm_90+) the bare ones go to the kernel
+# too: it then loads its first weight tile while the kernel before it still runs, and a layer
+# has no cuBLAS launch left to break the chain of early launches (plain at batch 1: 1447 tok/s
+# against 1197 with cuBLAS for the bare matmuls, H100, gpu_bench_h100_20261205d_next.json).
+# None (the default): the fused matmuls on CUDA, and every decode-sized one where PDL is on;
+# EAGLEKV_GEMV=0: off (False); =1: every decode-sized matmul wherever Triton runs (True: the
+# CPU interpreter in tests, and the bench's `*_gemv` modes). Read when a model is built (the
+# weights' layout) and when graphs capture.
 FUSE_GEMV: bool | None = {"0": False, "1": True}.get(os.environ.get("EAGLEKV_GEMV", ""))
 
 
 def gemv_on(device: torch.device, fused: bool = True) -> bool:
     """Whether decode-sized matmuls on `device` go to the gemv kernel (see FUSE_GEMV):
-    `fused`, one that carries the norm prologue (qkv, gate_up); else a bare matmul."""
-    return (device.type == "cuda" and fused) if FUSE_GEMV is None else FUSE_GEMV
+    `fused`, one that carries the norm prologue (qkv, gate_up); else a bare matmul (by
+    default only where programmatic dependent launch is on)."""
+    if FUSE_GEMV is not None:
+        return FUSE_GEMV
+    if device.type != "cuda":
+        return False
+    from eaglekv.kernels import pdl        # imports Triton: not on the CPU path
+    return fused or pdl.enabled(device)
 
 
 def column_major(w: torch.Tensor) -> torch.Tensor:

@@ -13,10 +13,16 @@ nothing is written, before its `gdc_wait`; every program runs `gdc_wait` before 
 a kernel never completes before the one it follows: ordering stays transitive down the
 stream). A kernel launched without PDL runs `gdc_wait` as a no-op.
 
-Off by default (EAGLEKV_PDL=1, or the bench's `*_pdl` modes, turn it on) until measured on
-a GPU: built 2026-12-05 evening without one. `enabled(device)` also needs a CUDA device of
-compute capability 9.0+, and a Triton with the `launch_pdl` launch option and
-`triton.language.extra.cuda.gdc_wait` (Triton's tutorial 11).
+On by default since 2026-12-05 night (`EAGLEKV_PDL=0`, or the bench's `*_nopdl` modes, turn it
+off). `enabled(device)` also needs a CUDA device of compute capability 9.0+, and a Triton with
+the `launch_pdl` launch option and `triton.language.extra.cuda.gdc_wait` (Triton's tutorial
+11). Measured on an H100 (bench/results/gpu_bench_h100_20261205d_next.json, one process): alone
+(a cuBLAS matmul, which never lets the next kernel launch early, still sits between the Triton
+kernels) it ties plain decoding (0.98x / 1.03x / 1.09x / 0.98x at batch 1 / 4 / 16 / 64); with
+every decode-sized matmul in the gemv kernel, so that every boundary of a layer is Triton to
+Triton, plain ran 1447 tok/s at batch 1 against 1197 (1.21x; 1.09x / 1.09x / 1.04x at 4 / 16
+/ 64), where the gemv kernel without PDL gave 1.09x. So with PDL on, `fused.gemv_on` puts the
+bare matmuls in the gemv kernel too.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import os
 
 import torch
 
-PDL = os.environ.get("EAGLEKV_PDL", "0") == "1"
+PDL = os.environ.get("EAGLEKV_PDL", "1") != "0"
 
 try:   # Triton >= 3.3; the kernels only reference these under a USE_GDC=True constexpr
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401

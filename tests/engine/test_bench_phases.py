@@ -294,13 +294,14 @@ def test_xs1_modes_capture_the_unsplit_extend(monkeypatch):
     monkeypatch.setattr(pdl, "PDL", False)
     monkeypatch.setattr(fused, "FUSE_GEMV", None)
     for mode in ("eagle_chain_S5K1N6_xs1", "eagle_chain_S5K1N6", "plain_fmerge",
-                 "plain_fmerge_pdl", "plain_gemv_pdl"):
+                 "plain_fmerge_pdl", "plain_gemv_pdl", "plain_nopdl"):
         gpu.make_engine(None, mode, 1)
     assert seen == [("eagle_chain_S5K1N6_xs1", 1, False, False, None),
                     ("eagle_chain_S5K1N6", None, False, False, None),
                     ("plain_fmerge", None, True, False, None),
                     ("plain_fmerge_pdl", None, True, True, None),
-                    ("plain_gemv_pdl", None, False, True, True)]
+                    ("plain_gemv_pdl", None, False, True, True),
+                    ("plain_nopdl", None, False, False, None)]
     assert at.EXTEND_SPLITS is None and at.FUSED_DECODE_MERGE is False and pdl.PDL is False
     assert fused.FUSE_GEMV is None
 

@@ -690,11 +690,16 @@ def test_gemv_takes_only_decode_rows_of_column_major_weights(monkeypatch):
     assert not fused.use_gemv(randn(1, 64), randn(64, 32))                # (in, out) rows
     monkeypatch.setattr(fused, "FUSE_GEMV", False)
     assert not fused.use_gemv(randn(1, 64), w)
-    monkeypatch.setattr(fused, "FUSE_GEMV", None)   # the default: CUDA, the fused matmuls only
+    monkeypatch.setattr(fused, "FUSE_GEMV", None)   # the default: CUDA, the fused matmuls,
+    from eaglekv.kernels import pdl                 # and the bare ones where PDL is on
     assert fused.use_gemv(randn(1, 64), w, fused=True) == (DEV == "cuda")
-    assert not fused.use_gemv(randn(1, 64), w)                            # a bare one: cuBLAS
+    assert fused.use_gemv(randn(1, 64), w) == (DEV == "cuda" and pdl.enabled(torch.device(DEV)))
     assert fused.gemv_on(torch.device("cuda")) and not fused.gemv_on(torch.device("cpu"))
+    monkeypatch.setattr(pdl, "enabled", lambda device: False)            # a bare one: cuBLAS
     assert not fused.gemv_on(torch.device("cuda"), fused=False)
+    monkeypatch.setattr(pdl, "enabled", lambda device: True)
+    assert fused.gemv_on(torch.device("cuda"), fused=False)
+    assert not fused.gemv_on(torch.device("cpu"), fused=False)
     with pytest.raises(ValueError, match=r"gemv: w has shape \(32, 8\), expected \(64, \*\)"):
         fused.gemv(randn(2, 64), randn(32, 8))
 
