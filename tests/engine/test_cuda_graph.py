@@ -81,21 +81,26 @@ def test_greedy_equals_cpu(tiny_dir, opts, batch):
 @pytest.mark.parametrize("speculative", [None, spec("eagle", 3, 1, 4)],
                          ids=["plain", "eagle-S3"])
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("every", [True, None], ids=["every-matmul", "default"])
+@pytest.mark.parametrize("every", [True, None, "nopdl"],
+                         ids=["every-matmul", "default", "default-without-pdl"])
 def test_gemv_graphs_greedy_equals_cpu(tiny_dir, monkeypatch, speculative, batch, every):
     """Graphs captured with the Triton matrix-vector kernel (fused.FUSE_GEMV: the weights
     column-major, add + RMSNorm and SiLU*mul inside the decode-sized matmuls; by default
-    only qkv and gate_up, with EAGLEKV_GEMV=1 every matmul) make the CPU's greedy tokens in
-    fp32, plain and speculative."""
-    from eaglekv.kernels import fused
+    qkv and gate_up, and the bare ones too where PDL is on; with EAGLEKV_GEMV=1 every
+    matmul) make the CPU's greedy tokens in fp32, plain and speculative."""
+    from eaglekv.kernels import fused, pdl
     prompts = PROMPTS[:batch]
     opts = {} if speculative is None else {"speculative": speculative}
     cpu = [o.token_ids for o in tiny_engine(tiny_dir, **opts).generate(prompts, SP)]
+    if every == "nopdl":
+        monkeypatch.setattr(pdl, "PDL", False)
+        every = None
     monkeypatch.setattr(fused, "FUSE_GEMV", every)
     engine = tiny_engine(tiny_dir, device="cuda", max_running_requests=4, **opts)
     layer = engine.model.layers[0]
     assert layer.qkv.stride(0) == layer.gate_up.stride(0) == 1      # nn.Linear's layout
-    assert (layer.o.stride(0) == 1) == bool(every)
+    bare = bool(every) or (every is None and pdl.enabled(engine.device))
+    assert (layer.o.stride(0) == 1) == bare
     assert [o.token_ids for o in engine.generate(prompts, SP)] == cpu
     engine.check_memory()
 
