@@ -189,7 +189,8 @@ def _make_engine(args, mode: str, max_batch: int) -> Engine:
         **{"algorithm": "eagle", "draft_model": args.draft, **spec})
     return Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                max_running_requests=max_batch,
-                               max_total_tokens=max_batch * (args.new_tokens + 64) + 4096,
+                               max_total_tokens=max_batch * (max(args.new_tokens,
+                                                                 PROFILE_NEW_TOKENS) + 64) + 4096,
                                speculative=sc, disable_cuda_graph=args.disable_cuda_graph,
                                waiting_served_ratio=getattr(args, "waiting_served_ratio", 0.0),
                                max_waiting_steps=getattr(args, "max_waiting_steps", 20),
@@ -255,7 +256,15 @@ def timed_generate(engine: Engine, ps: list[list[int]], n: int,
     return len(ps) * n / dt, [o.token_ids for o in outs], phases
 
 
-def step_profile(engine: Engine, ps: list[list[int]], steps: int = 5) -> dict:
+# a step profile's requests ask for this many tokens (enough for 3 + 3 * steps chains of the
+# longest, 32 tokens); the bench's KV pool holds that many for every request at once, else the
+# profiled steps of a large batch preempt and re-prefill (at batch 64 until 2026-12-05 night:
+# its kernel counts and device times include those prefills)
+PROFILE_NEW_TOKENS = 512
+
+
+def step_profile(engine: Engine, ps: list[list[int]], steps: int = 5,
+                 new_tokens: int = PROFILE_NEW_TOKENS) -> dict:
     """Kernels and device time per engine step while every request decodes. An adaptive
     engine's cost table is frozen meanwhile: steps under a profiler are not its costs."""
     costs = getattr(getattr(engine.runner, "policy", None), "costs", None)
@@ -263,15 +272,16 @@ def step_profile(engine: Engine, ps: list[list[int]], steps: int = 5) -> dict:
     if costs is not None:
         costs.frozen = True
     try:
-        return _step_profile(engine, ps, steps)
+        return _step_profile(engine, ps, steps, new_tokens)
     finally:
         if costs is not None:
             costs.frozen = frozen
 
 
-def _step_profile(engine: Engine, ps: list[list[int]], steps: int) -> dict:
+def _step_profile(engine: Engine, ps: list[list[int]], steps: int, new_tokens: int) -> dict:
     # enough for 3 + 3 * steps engine steps of the longest decode chain (32 tokens each)
-    params = SamplingParams(max_new_tokens=512, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    preempted = engine.num_preemptions
     reqs = [engine.add_request(p, params) for p in ps]
     while any(len(r.output_ids) < 3 for r in reqs):
         engine.step()
@@ -298,6 +308,7 @@ def _step_profile(engine: Engine, ps: list[list[int]], steps: int) -> dict:
     cp.disable()
     for r in reqs:
         engine.abort(r)
+    preempted = engine.num_preemptions - preempted
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     layers = engine.model_config.num_layers
     return {"kernels_per_step": len(kernels) / steps,
@@ -305,6 +316,8 @@ def _step_profile(engine: Engine, ps: list[list[int]], steps: int) -> dict:
             "device_ms_per_step": sum(e.device_time for e in kernels) / 1e3 / steps,
             "host_wall_ms_per_step": 1e3 * statistics.median(walls),
             "tokens_per_request_per_step": per_step,
+            # > 0: the KV pool was too small, and the figures include re-prefills
+            "preemptions": preempted,
             "kernel_top": kernel_top(kernels, steps),
             "host_top": host_top(cp, steps)}
 

@@ -4,6 +4,8 @@ the whole timed wall."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from eaglekv import SamplingParams
@@ -44,8 +46,28 @@ def test_step_profile_ranks_the_host_work(tiny_dir):
     assert all(r["self_ms_per_step"] >= 0 and r["calls_per_step"] > 0 for r in top)
     assert top == sorted(top, key=lambda r: -r["self_ms_per_step"])
     assert any("engine.py" in r["function"] or "speculative/" in r["function"] for r in top)
+    assert prof["preemptions"] == 0
     e.check_memory()
     assert e.allocator.is_full()
+
+
+def test_step_profile_reports_preemptions_of_a_small_pool(tiny_dir, monkeypatch):
+    """A pool that cannot hold every profiled request's tokens preempts during the profile:
+    the profile says so (its figures then include re-prefills), and the bench sizes its
+    engines' pools for the profile's requests."""
+    from eaglekv.bench import gpu
+    e = tiny_engine(tiny_dir, max_context_len=1024, max_total_tokens=48)
+    prof = gpu.step_profile(e, PROMPTS, steps=3, new_tokens=30)
+    assert prof["preemptions"] > 0
+    e.check_memory()
+    assert e.allocator.is_full()
+
+    seen = []
+    monkeypatch.setattr(gpu, "Engine", seen.append)
+    args = SimpleNamespace(new_tokens=256, model="m", dtype="float32", device="cpu",
+                           disable_cuda_graph=True, draft="default")
+    gpu._make_engine(args, "plain", 64)
+    assert seen[0].max_total_tokens >= 64 * (gpu.PROFILE_NEW_TOKENS + 32)
 
 
 def test_step_profile_leaves_the_adaptive_costs_alone(tiny_dir):
