@@ -363,7 +363,7 @@ class AdaptivePolicy:
         """A request's rates (a writable view of its row) and counters, for tests and logs."""
         row = int(self._rows([req])[0])
         return SimpleNamespace(rates=self.rates[row], nobs=self.nobs[row],
-                               wait=int(self.wait[row]),
+                               slow=self.slow[row], wait=int(self.wait[row]),
                                probes=int(self.probes[row]), speculating=bool(self.on[row]))
 
     def expected(self, rates: np.ndarray, shape: Shape) -> float:
@@ -510,6 +510,49 @@ class AdaptivePolicy:
                 best = sure
         self._one_sure = best == sure  # chosen without the optimism: may be held
         return self._refresh(1, best) or best
+
+    def plain_horizon(self, reqs, longest: int) -> int:
+        """How many tokens an all-plain step of `reqs` chosen just now should decode before
+        the batch is chosen for again (the length of its chain, at most `longest`).
+
+        Batch 1, the latency case: a request waiting out a backoff decodes its wait; one
+        chosen plain on its estimates decodes until the drift of its rates back toward its
+        slow average (`observe_plain`: 1 - (1 - beta)^n of the way after n tokens) would make
+        a shape pay again, the first of n = 1, 2, 4, ... that does, or `longest` if none
+        does: a dip in a good request's acceptance costs a few plain tokens, not a whole
+        chain of 32 (an H100 run at batch 1 spent about 30 tokens a request in one such
+        chain, 0.76x the fixed S5's speed). Larger batches keep `longest`: a chain's sync is
+        shared by all their requests, and any one of them would cut it short. Lossless like
+        the choice: a function of the past steps' acceptance only."""
+        if len(reqs) != 1 or longest <= 1:
+            return max(longest, 1)
+        row = int(self._rows(reqs)[0])
+        wait = int(self.wait[row])
+        if wait > 0:
+            return min(wait, longest)
+        per_token = self._cost_curve(PLAIN, 1)[1]
+        chain = self.costs.get(CHAIN, 1)
+        if chain is not None:
+            per_token = chain + self.catch_up_cost(1)
+        rates, slow = self.rates[row], self.slow[row]
+        n = 1
+        while n < longest:
+            drifted = rates + (1 - (1 - self.beta) ** n) * (slow - rates)
+            if self._spec_value_one(self._extrapolated(drifted[None, :])[0]) > 1 / per_token:
+                return n
+            n *= 2
+        return longest
+
+    def _spec_value_one(self, rates: np.ndarray) -> float:
+        """Batch 1: the best shape's expected tokens per second with these rates, without
+        the optimism (`_choose_one`'s sure value)."""
+        run, total, sums = float("inf"), 0.0, []
+        for r in rates.tolist():
+            run = min(run, r)
+            total += run
+            sums.append(total)
+        return max((1 + min(self.corr[s] * sums[s.S - 1], s.S)) / self._cost_curve(s.label, 1)[1]
+                   for s in self.shapes)
 
     def catch_up_cost(self, n: int) -> float:
         """Seconds a plainly decoded token of each of n requests costs later, when the draft

@@ -7,6 +7,8 @@ features kept) for the others. When the whole batch decodes plainly, is greedy w
 penalties or logprobs and fits a decode graph, the plain step decodes a chain of up to
 `EngineConfig.num_scheduler_steps` tokens in one engine step (ModelRunner.run_chain: the
 graph replayed k times, one sync), as plain decoding does; the policy then costs it per token.
+At batch 1 the chain is as long as the policy's `plain_horizon` (a dip in a good request's
+acceptance costs a few plain tokens, not a whole chain).
 
 A request that decodes plainly leaves its draft behind: its `draft_state` becomes a `Lag`
 holding the draft inputs of the positions it decoded (token p + 1; the target feature of p is
@@ -181,7 +183,8 @@ class AdaptiveWorker:
         choice = self.policy.choose(reqs, chain=chain)
         if not choice.spec:            # the whole batch decodes plainly: no merging
             t = time.perf_counter()
-            res, k = self._plain(reqs, chain)
+            longest = self.policy.plain_horizon(reqs, self.decode_steps) if chain else 1
+            res, k = self._plain(reqs, chain and longest > 1, longest)
             dt = time.perf_counter() - t
             self.plain_seconds += dt
             self._pending = [(CHAIN if k > 1 else PLAIN, B, dt, k)]    # costed per token
@@ -276,11 +279,13 @@ class AdaptiveWorker:
                         and r.params.logprobs is None
                         and r.params.max_new_tokens - len(r.output_ids) > 1 for r in reqs))
 
-    def _plain(self, reqs, chain: bool = False) -> tuple[StepResult, int]:
+    def _plain(self, reqs, chain: bool = False,
+               longest: int | None = None) -> tuple[StepResult, int]:
         """One token per request (the root) at position kv_len: the target's forward, its
         sampling as in plain decoding, and each request's draft input of that position kept;
-        `chain`: up to `decode_steps` tokens per request (ModelRunner.run_chain), each one's
-        draft input kept. -> (the result, the tokens decoded per request: k)."""
+        `chain`: up to `longest` (default `decode_steps`) tokens per request
+        (ModelRunner.run_chain), each one's draft input kept. -> (the result, the tokens
+        decoded per request: k)."""
         res = self.res
         n = len(reqs)
         prefix = [r.kv_len for r in reqs]
@@ -293,7 +298,7 @@ class AdaptiveWorker:
         everyone = list(range(n))
         if self.graphs is not None and self.graphs.bucket(n) is not None:
             # the replay writes req_to_token and the features itself
-            result = self._run_graph(plan, slots, chain)
+            result = self._run_graph(plan, slots, chain, longest)
         else:
             where = torch.tensor([rows, prefix], dtype=torch.int64).to(res.device)
             res.req_to_token.req_to_token[where[0], where[1]] = slots.to(res.device,
@@ -323,12 +328,14 @@ class AdaptiveWorker:
         result.free_slots = torch.cat(bad) if bad else None
         return result, k
 
-    def _run_graph(self, plan: StepPlan, slots: torch.Tensor, chain: bool) -> StepResult:
+    def _run_graph(self, plan: StepPlan, slots: torch.Tensor, chain: bool,
+                   longest: int | None = None) -> StepResult:
         """ModelRunner.run_graph over the plan (a chain where it can run one). run_chain reads
         each request's kv_len and last slot as the scheduler leaves them after planning a
         plain decode (the step's first slot taken): so they are advanced by that slot for the
         call and put back after it; the books change only when the scheduler commits."""
-        runner = ModelRunner(self.res, self.graphs, self.decode_steps if chain else 1)
+        runner = ModelRunner(self.res, self.graphs,
+                             (longest or self.decode_steps) if chain else 1)
         if not chain:
             return runner.run_graph(plan, list(range(len(plan.reqs))))
         books = [(r.kv_len, r.last_slot) for r in plan.reqs]

@@ -167,3 +167,35 @@ def test_bad_chain_slot_is_refused(tiny_dir, reference):
     engine.check_memory()
     out = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert out[0].token_ids == reference[0]
+
+
+@pytest.mark.parametrize("horizon", [1, 3])
+def test_adaptive_plain_chains_run_the_policy_horizon(tiny_dir, reference, horizon):
+    """An adaptive engine at batch 1 whose policy chooses plain decoding: each all-plain
+    step decodes a chain as long as the policy's `plain_horizon` (1: a single step), not
+    num_scheduler_steps; greedy output equal to plain decoding, the books whole after."""
+    from eaglekv.speculative.adaptive import Choice
+    engine = tiny_engine(tiny_dir, attention_backend="triton", max_running_requests=4,
+                         max_context_len=64,
+                         speculative=dict(algorithm="eagle", draft_model="random",
+                                          adaptive=True, shapes=((3, 1, 4),)))
+    w = engine.runner
+    w.graphs = DecodeGraphs(engine.model, engine.backend, 4, engine.max_context_len,
+                            progress=False, capture=False, features=w.drafter,
+                            feature_table=w.feature_table,
+                            req_to_token=engine.req_to_token.req_to_token)
+    w.decode_steps = 8
+    pol = w.policy
+    pol.choose = lambda reqs, chain=False: pol._chosen(Choice(None, [], list(range(len(reqs)))))
+    asked = []
+    pol.plain_horizon = lambda reqs, longest: asked.append(longest) or horizon
+    made = []
+    observe = pol.observe_plain
+    pol.observe_plain = lambda reqs, tokens=1: made.append(tokens) or observe(reqs, tokens)
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    reqs, _ = run_checked(engine, PROMPTS[:1], [sp])
+    assert reqs[0].output_ids == reference[0]
+    assert asked and set(asked) == {8}
+    # 11 tokens after the prefill's: chains of `horizon` (the last one what the budget left)
+    assert made[:-1] == [horizon] * (len(made) - 1) and sum(made) == 11, made
+    engine.check_memory()

@@ -977,3 +977,84 @@ def test_a_chain_whose_requests_keep_different_step_counts_is_observed_per_step(
     assert w._speculate(reqs, S3, 3) is res
     assert w._pending[-1][0] == S3.label and w._pending[-1][3] == 3     # costed per step
     assert seen == [("held", 2), [3, 2, None], [1, None, None], [2, None, None]]
+
+
+# ---- how long an all-plain step at batch 1 decodes ------------------------------------------------
+# bench/results/gpu_bench_h100_20261205d_next.json: adaptive's batch-1 cost table on an H100
+H100_B1_MS = {CHAIN: 0.833, PLAIN: 1.2, "S3K1N4": 2.206, "S5K1N6": 2.506, "S4K2N8": 2.797}
+
+
+def h100_policy() -> AdaptivePolicy:
+    t = CostTable(drop_first=False)
+    for label, ms in H100_B1_MS.items():
+        t.cells[CostTable.key(label, 1)] = [ms * 1e-3, t.seed]
+    t.frozen = True
+    return AdaptivePolicy(list(H200_SHAPES), t)
+
+
+def test_plain_horizon_is_the_wait_the_drift_or_the_whole_chain():
+    """Batch 1: a request in backoff decodes its wait; a good request whose rates dipped
+    decodes until their drift back to its slow average makes a shape pay (the first of 1, 2,
+    4, ... that does: the half of it would not); a steadily poor request the whole chain;
+    a larger batch always the whole chain."""
+    p = h100_policy()
+    good = FakeReq()
+    for _ in range(60):                                  # accepts 4-5 of 5 for a long while
+        p.observe_spec([good], Shape(5, 1, 6), [5])
+    for _ in range(4):                                   # then four steps rejected at once
+        p.observe_spec([good], Shape(5, 1, 6), [0])
+    st = p.state(good)
+    assert p.choose([good], chain=True).shape is None    # the dip: plain for now
+    n = p.plain_horizon([good], 32)
+    assert 1 <= n < 32
+
+    def pays_after(k: int) -> bool:
+        drifted = st.rates + (1 - (1 - p.beta) ** k) * (st.slow - st.rates)
+        return p._spec_value_one(p._extrapolated(drifted[None, :])[0]) > 1 / (
+            H100_B1_MS[CHAIN] * 1e-3)
+    assert pays_after(n) and (n == 1 or not pays_after(n // 2))
+    p.observe_plain([good], n)                           # and after it, speculation again
+    assert p.choose([good], chain=True).shape is not None
+
+    poor = FakeReq()
+    for _ in range(200):
+        p.observe_spec([poor], Shape(5, 1, 6), [0])
+    assert p.plain_horizon([poor], 32) == 32
+    waiting = FakeReq()
+    p.state(waiting)
+    p.wait[p._rows([waiting])[0]] = 5
+    assert p.plain_horizon([waiting], 32) == 5 and p.plain_horizon([waiting], 4) == 4
+    assert p.plain_horizon([good, FakeReq()], 32) == 32
+    assert p.plain_horizon([good], 1) == 1
+
+
+def test_batch_1_with_the_horizon_stays_near_the_best_fixed_shape():
+    """The batch-1 policy against fixed S5 with the H100's costs, drafts accepted
+    independently with q (S5 accepts 2.7-4.2 tokens; plain is 0.71-0.83x S5 here): the
+    adaptive run's time over 40 requests of 256 tokens is within 0.4% / 2.5% / 4.4% of S5's
+    at q = 0.905 / 0.85 / 0.8 where its all-plain steps decode only their horizon; with
+    whole 32-token chains it took 1.0% / 4.0% / 6.5% longer (independent dips make it go
+    plain, and each cost a whole chain; real text's dips come in runs, where plain pays)."""
+    def run(q: float, horizon: bool) -> tuple[float, float]:
+        p, t, t_fixed = h100_policy(), 0.0, 0.0
+        for seed in range(40):
+            rng, made, r = np.random.default_rng(seed), 0, FakeReq()
+            while made < 256:
+                c = p.choose([r], chain=True)
+                if c.shape is None:
+                    k = min(p.plain_horizon([r], 32) if horizon else 32, 256 - made)
+                    p.observe_plain([r], k)
+                    made, t = made + k, t + k * H100_B1_MS[CHAIN] + 0.5   # + a sync
+                else:
+                    a = drafts_accepted(rng, c.shape, q)
+                    p.observe_spec([r], c.shape, [a])
+                    made, t = made + 1 + a, t + H100_B1_MS[c.shape.label]
+            rng, made = np.random.default_rng(seed), 0
+            while made < 256:
+                made += 1 + drafts_accepted(rng, Shape(5, 1, 6), q)
+                t_fixed += H100_B1_MS["S5K1N6"]
+        return t / t_fixed, 256 * 40 * H100_B1_MS[CHAIN] / t_fixed
+    for q in (0.905, 0.85, 0.8):
+        with_h, plain = run(q, True)
+        without = run(q, False)[0]
+        assert with_h <= 1.045 and with_h < without - 0.005 and plain > 1.2, (q, with_h, without)
