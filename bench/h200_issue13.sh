@@ -60,11 +60,10 @@ case "${1:-bench}" in
       BATCHES=${BATCHES:-1,2,4,16,64} LLAMA8B=${LLAMA8B:-" "} FLOOR=${FLOOR:-0} "$0" bench
     ;;
   next)
-    # the run planned on 2026-12-05 evening (after `EAGLEKV_PDL=1 ... tests`): PDL (pdl), the
-    # decode merge in its launch (fmerge), S5's
-    # verify in the gemv kernel (gemv8), the split-K verify against none (xs1), adaptive
-    # against every fixed shape, the 8B row (one-step and chained), in one process (~330 s)
-    MODES=${MODES:-plain,plain_fmerge,plain_pdl,plain_gemv,plain_gemv_pdl,plain_fmerge_pdl,eagle_chain_S5K1N6_pdl,eagle_chain_S5K1N6_fmerge_pdl,plain_k64,eagle_chain_S5K1N6_k64,plain_unchecked,eagle_chain_S5K1N6,eagle_chain_S5K1N6_fmerge,eagle_chain_S5K1N6_gemv8,eagle_chain_S5K1N6_unchecked,eagle_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_tree_S6K4N16,adaptive,adaptive_eagle3_trees} \
+    # the run planned on 2026-12-05 night: the prefill graphs (pg), the shipped PDL against
+    # none, the checks, adaptive (its batch-1 plain horizon) against every fixed shape, the
+    # checked / unchecked replays and the 8B row, in one process
+    MODES=${MODES:-plain,plain_pg,plain_nopdl,plain_unchecked,eagle_chain_S5K1N6,eagle_chain_S5K1N6_nopdl,eagle_chain_S5K1N6_unchecked,eagle_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_tree_S6K4N16,adaptive,adaptive_eagle3_trees} \
       CHECKS_REPLAY=${CHECKS_REPLAY-1} FLOOR=${FLOOR:-0} "$0" bench
     ;;
   tests)

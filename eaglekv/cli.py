@@ -46,6 +46,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch captured as a CUDA graph (default: "
                    "--max-running-requests)")
+    p.add_argument("--cuda-graph-prefill-tokens", type=int, default=0,
+                   help="plain decoding: replay one request's prefill of fewer than this many "
+                   "tokens as a CUDA graph per token bucket (0, the default: eager)")
     p.add_argument("--waiting-served-ratio", type=float, default=d.waiting_served_ratio,
                    help="while requests decode, admit newcomers once they are this fraction "
                    "of the running ones (TGI's flag; 0: at once)")
@@ -81,6 +84,7 @@ def kernel_options(args) -> dict:
     return {"attention_backend": args.attention_backend,
             "disable_cuda_graph": args.disable_cuda_graph,
             "cuda_graph_max_bs": args.cuda_graph_max_bs,
+            "cuda_graph_prefill_tokens": args.cuda_graph_prefill_tokens,
             "num_scheduler_steps": args.num_scheduler_steps,
             "waiting_served_ratio": args.waiting_served_ratio,
             "max_waiting_steps": args.max_waiting_steps}

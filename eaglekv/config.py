@@ -255,6 +255,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     disable_cuda_graph: bool = False     # CUDA: run every step eagerly (debugging)
     cuda_graph_max_bs: int | None = None  # largest captured decode batch (default: max_running)
+    # a plain engine's prefills of one request up to this many tokens (less one) replayed as
+    # CUDA graphs per token bucket (cuda_graph.PrefillGraphs); 0: eager (the default until
+    # measured on a GPU)
+    cuda_graph_prefill_tokens: int = 0
     # greedy decode steps replayed back to back per engine step, one sync for all (vLLM's
     # --num-scheduler-steps; a speculative engine chains ceil(this / (S + 1)) whole-step
     # replays, eagle_worker.spec_chain_steps); None: DEFAULT_SCHEDULER_STEPS with CUDA
@@ -300,6 +304,11 @@ class EngineConfig:
                               f"'torch' or 'triton'")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ConfigError(f"cuda_graph_max_bs={self.cuda_graph_max_bs} must be >= 1")
+        if (not isinstance(self.cuda_graph_prefill_tokens, int)
+                or isinstance(self.cuda_graph_prefill_tokens, bool)
+                or not 0 <= self.cuda_graph_prefill_tokens <= 4096):
+            raise ConfigError(f"cuda_graph_prefill_tokens={self.cuda_graph_prefill_tokens!r} "
+                              f"must be an int in [0, 4096] (0: prefills run eagerly)")
         if self.num_scheduler_steps is not None and (
                 not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1):
             raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps!r} must be an "

@@ -8,7 +8,9 @@ A decode step of a small model is bound by the host: ~600 kernel launches from P
 embed -> layers (add+RMSNorm, QKV matmul, RoPE + guarded K/V store, Triton decode attention,
 O matmul, add+RMSNorm, gate/up matmul, SiLU*mul, down matmul) -> final norm -> LM head.
 `VerifyGraphs` captures the speculative verify forward (N tree nodes per request under the
-tree mask -> logits and hidden states). Both run over static device buffers that each replay
+tree mask -> logits and hidden states). `PrefillGraphs` captures one request's extend of up
+to a few hundred tokens (a prompt, or a chunk of one) per token bucket, causal over its
+cached prefix -> the logits of its last token (off by default: `cuda_graph_prefill_tokens`). Both run over static device buffers that each replay
 fills. Padded rows (bucket > batch) point at req_to_token's padding row 0 and write their K/V
 into slot 0, the padding page, so a replay never reads or writes a real request's KV.
 
@@ -297,3 +299,96 @@ class VerifyGraphs(CapturedForwards):
         return ModelOutput(logits=out.logits[:T], hidden=out.hidden[:T],
                            aux_hidden=[a[:T] for a in out.aux_hidden]
                            if out.aux_hidden is not None else None)
+
+
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def prefill_buckets(max_tokens: int) -> tuple[int, ...]:
+    """Token buckets of the prefill graphs: the powers of two from 16 below `max_tokens`,
+    and `max_tokens` itself (the largest extend a graph takes is one token fewer: a graph
+    always has a padding token, see PrefillGraphs)."""
+    out = [b for b in PREFILL_BUCKETS if b < max_tokens]
+    return tuple(out + [max_tokens])
+
+
+class PrefillGraphs(CapturedForwards):
+    """One request's extend of T tokens after its cached prefix of p (a prompt, or a chunk
+    of one) -> the logits of its last token, captured per token bucket Tb > T.
+
+    At batch 1 an eager prefill is ~600 kernel launches from Python (16-24 ms on the H100's
+    host for a 40-token prompt of SmolLM2, most of the time to first token); replayed, one
+    call. The Tb - T tokens past the request's form a second, padding request: req_to_token's
+    padding row 0, prefix 0, positions 0 .., every K/V written to slot 0 (the padding page),
+    causal among themselves, so the real request (first, causal) never sees them and they
+    read or write no real request's KV. A bucket always holds at least one padding token, so
+    neither request of a replay is empty. The extend attention's grid is captured for Tb
+    queries and its key bound for the whole context (`max_keys`): a replay holds any prefix."""
+
+    name = "prefill"
+    first_call_id = 3 << 20
+
+    def __init__(self, model, backend, max_tokens: int, max_kv_len: int,
+                 progress: bool = True, capture: bool = True):
+        super().__init__(model, backend, 1, capture)
+        self.buckets = prefill_buckets(max_tokens)
+        self.max_kv_len = max_kv_len
+        n, dev = self.buckets[-1], self.device
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
+        self.ids, self.positions, self.out_cache_loc = z(n), z(n), z(n)
+        # [real request, padding request]: rows, prefixes, lengths, first queries; last token
+        self.rows, self.prefix, self.extend_len, self.q_start = z(2), z(2), z(2), z(2)
+        self.last = z(1)
+        # one pinned host block for the whole fill: ids, positions, slots | rows, prefix,
+        # extend_len, q_start, last
+        self.host = torch.zeros(3 * n + 9, dtype=torch.int64)
+        if capture:
+            self.host = self.host.pin_memory()
+        self.host_np = self.host.numpy()
+        self.dev = z(3 * n + 9)
+        self.capture_all(progress)
+
+    def fits(self, extend_len: int) -> bool:
+        """A request extending by `extend_len` tokens has a bucket (with a padding token)."""
+        return 0 < extend_len < self.buckets[-1]
+
+    def bucket(self, n: int) -> int | None:
+        return super().bucket(n + 1)              # at least one padding token
+
+    def _forward(self, b: int):
+        meta = TritonAttnMetadata(kv_start=self.rows * self.backend.width,
+                                  out_cache_loc=self.out_cache_loc[:b], kv_len=None,
+                                  prefix_len=self.prefix, extend_len=self.extend_len,
+                                  q_start=self.q_start, mask=None, max_extend=b,
+                                  max_keys=self.max_kv_len)
+        return self.model.forward_tokens(self.ids[:b], self.positions[:b], self.backend, meta,
+                                         logits_indices=self.last).logits        # (1, V)
+
+    def _capture(self, b: int, guard) -> tuple:
+        self._fill([1] * (b - 1), 0, 0, np.zeros(b - 1, dtype=np.int64), b)   # all padding
+        return super()._capture(b, guard)
+
+    def _fill(self, ids, prefix: int, row: int, slots: np.ndarray, b: int) -> None:
+        T, n = len(ids), self.buckets[-1]
+        h = self.host_np
+        h[:] = 0
+        h[:T] = ids
+        h[n:n + T] = np.arange(prefix, prefix + T)
+        h[n + T:n + b] = np.arange(b - T)                      # the padding request's positions
+        h[2 * n:2 * n + T] = slots                             # padding tokens: slot 0
+        h[3 * n:3 * n + 9] = [row, 0, prefix, 0, T, b - T, 0, T, T - 1]
+        self.dev.copy_(self.host, non_blocking=True)
+        for i, dst in enumerate((self.ids, self.positions, self.out_cache_loc)):
+            dst.copy_(self.dev[i * n:(i + 1) * n])
+        tail = self.dev[3 * n:]
+        for i, dst in enumerate((self.rows, self.prefix, self.extend_len, self.q_start)):
+            dst.copy_(tail[2 * i:2 * i + 2])
+        self.last.copy_(tail[8:9])
+
+    def run(self, ids: list[int], prefix: int, row: int, slots: np.ndarray) -> torch.Tensor:
+        """Extend request `row` by `ids` at positions prefix .. (slots allocated, written in
+        req_to_token) -> (1, V) logits of its last token (a view of the graph's output, valid
+        until the next replay). Call inside the step's `guarded` context."""
+        b = self.bucket(len(ids))
+        self._fill(ids, prefix, row, slots, b)
+        return self._replay(b)

@@ -44,14 +44,18 @@ class ModelRunner:
 
     separate_decode = False        # a decode is an extend by one token
 
-    def __init__(self, res: RunnerResources, graphs=None, decode_steps: int = 1):
+    def __init__(self, res: RunnerResources, graphs=None, decode_steps: int = 1,
+                 prefill_graphs=None):
         """`graphs`: captured decode forwards (cuda_graph.DecodeGraphs), replayed for every
         step whose requests all extend by one token; None runs every step eagerly.
         `decode_steps` (EngineConfig.num_scheduler_steps): a greedy graph step decodes up to
-        that many tokens per request in one engine step (`run_chain`)."""
+        that many tokens per request in one engine step (`run_chain`). `prefill_graphs`
+        (cuda_graph.PrefillGraphs): a step that extends one request by a bucket's worth of
+        tokens replays one (EngineConfig.cuda_graph_prefill_tokens)."""
         self.res = res
         self.graphs = graphs
         self.decode_steps = decode_steps
+        self.prefill_graphs = prefill_graphs
 
     def step_pages(self, kv_len: int) -> int:
         """Pages a running request may take in its next step: one token, at most one page."""
@@ -69,7 +73,20 @@ class ModelRunner:
         with guarded(self.res.device):
             if self.graphs is not None and self.graph_fits(plan):
                 return self.run_graph(plan)
+            if self.prefill_graphs is not None and self.prefill_fits(plan):
+                return self.run_prefill_graph(plan)
             return self.run_extend(plan)[0]
+
+    def prefill_fits(self, plan: StepPlan) -> bool:
+        """One request extending by 2+ tokens (one token is a decode step's) of a bucket."""
+        return (len(plan.reqs) == 1 and len(plan.ids[0]) > 1
+                and self.prefill_graphs.fits(len(plan.ids[0])))
+
+    def run_prefill_graph(self, plan: StepPlan) -> StepResult:
+        """One request's extend replayed (PrefillGraphs), then sampling as `run_extend`."""
+        logits = self.prefill_graphs.run(plan.ids[0], plan.prefix_lens[0], plan.reqs[0].row,
+                                         plan.slots[0].numpy())
+        return self.sample(plan, plan.sampling, logits)
 
     def graph_fits(self, plan: StepPlan) -> bool:
         return (self.graphs.bucket(len(plan.reqs)) is not None

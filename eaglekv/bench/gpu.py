@@ -109,6 +109,10 @@ MODES = {"plain": None,
          # PDL off (shipped on since 2026-12-05 night, and with it every decode-sized matmul
          # in the gemv kernel): the engine the way before, cuBLAS for o, down and lm_head
          "plain_nopdl": None,
+         # a request prefilled alone replays a captured prefill (cuda_graph_prefill_tokens
+         # 256; off by default until measured): at batch 1 the eager prefill was 16-24 ms of a
+         # 256-token run's ~175 ms on the H100
+         "plain_pg": None,
          "eagle_chain_S5K1N6_nopdl": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "eagle3_chain_S5K1N6_nopdl": dict(algorithm="eagle3", num_steps=5, topk=1,
                                            num_draft_tokens=6)}
@@ -116,7 +120,7 @@ MODES = {"plain": None,
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
-            "_fmerge", "_pdl", "_nopdl", "_k64")
+            "_fmerge", "_pdl", "_nopdl", "_k64", "_pg")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -194,7 +198,9 @@ def _make_engine(args, mode: str, max_batch: int) -> Engine:
                                speculative=sc, disable_cuda_graph=args.disable_cuda_graph,
                                waiting_served_ratio=getattr(args, "waiting_served_ratio", 0.0),
                                max_waiting_steps=getattr(args, "max_waiting_steps", 20),
-                               num_scheduler_steps=scheduler_steps(mode)))
+                               num_scheduler_steps=scheduler_steps(mode),
+                               cuda_graph_prefill_tokens=256 if "pg" in mode.split("_")
+                               else 0))
 
 
 def scheduler_steps(mode: str) -> int | None:
@@ -866,7 +872,8 @@ def chained_vs_1step(result: dict) -> None:
                               ("fused_merge_vs_separate", "_fmerge", True),
                               ("pdl_vs_none", "_pdl", True),
                               ("pdl_vs_none", "_nopdl", False),
-                              ("chain64_vs_default", "_k64", True)):
+                              ("chain64_vs_default", "_k64", True),
+                              ("prefill_graph_vs_eager", "_pg", True)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}
         if pairs:

@@ -100,7 +100,8 @@ class Engine:
                               if cfg.cuda_graphs else 0)
         self.runner = (build_runner(res, spec, draft_ckpt, drafter, cfg.decode_steps)
                        if spec.enabled
-                       else ModelRunner(res, self._decode_graphs(res), cfg.decode_steps))
+                       else ModelRunner(res, self._decode_graphs(res), cfg.decode_steps,
+                                        self._prefill_graphs(res)))
         if self.device.type == "cpu" and spec.enabled:   # every verify multiplies 2+ rows
             t0 = time.perf_counter()
             drafter = getattr(self.runner, "drafter", None)
@@ -132,6 +133,15 @@ class Engine:
         from eaglekv.cuda_graph import DecodeGraphs
         return DecodeGraphs(self.model, self.backend, res.cuda_graph_max_bs,
                             self.max_context_len)
+
+    def _prefill_graphs(self, res: RunnerResources):
+        """The plain runner's captured one-request prefills (`cuda_graph_prefill_tokens`,
+        CUDA graphs on), else None."""
+        n = min(self.config.cuda_graph_prefill_tokens, self.max_context_len)
+        if not res.cuda_graph_max_bs or n < 2:
+            return None
+        from eaglekv.cuda_graph import PrefillGraphs
+        return PrefillGraphs(self.model, self.backend, n, self.max_context_len)
 
     # the scheduler's books and the speculative runner, under their old names
     running = property(lambda self: self.scheduler.running)

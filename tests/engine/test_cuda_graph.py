@@ -78,6 +78,29 @@ def test_greedy_equals_cpu(tiny_dir, opts, batch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("opts", [{}, {"page_size": 16}, {"chunked_prefill_size": 8}],
+                         ids=["whole", "page16", "chunks-of-8"])
+def test_prefill_graphs_greedy_equals_cpu(tiny_dir, opts):
+    """`cuda_graph_prefill_tokens`: each prompt prefilled alone replays a captured prefill
+    (whole or in chunks over its cached prefix): the CPU's greedy tokens in fp32, and the
+    books whole; a batch of prompts at once still prefills eagerly."""
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    cpu = [o.token_ids for o in tiny_engine(tiny_dir).generate(PROMPTS, sp)]
+    engine = tiny_engine(tiny_dir, device="cuda", max_running_requests=4,
+                         cuda_graph_prefill_tokens=64, **opts)
+    g = engine.runner.prefill_graphs
+    assert g is not None and g.buckets == (16, 32, 64)
+    assert [engine.generate([p], sp)[0].token_ids for p in PROMPTS] == cpu
+    assert g.replays >= len(PROMPTS)
+    replays = g.replays
+    assert [o.token_ids for o in engine.generate(PROMPTS, sp)] == cpu
+    assert g.replays == replays
+    engine.check_memory()
+    assert engine.allocator.is_full()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("speculative", [None, spec("eagle", 3, 1, 4)],
                          ids=["plain", "eagle-S3"])
 @pytest.mark.parametrize("batch", [1, 3])

@@ -199,3 +199,61 @@ def test_adaptive_plain_chains_run_the_policy_horizon(tiny_dir, reference, horiz
     # 11 tokens after the prefill's: chains of `horizon` (the last one what the budget left)
     assert made[:-1] == [horizon] * (len(made) - 1) and sum(made) == 11, made
     engine.check_memory()
+
+
+# ---- one request's prefill replayed (cuda_graph.PrefillGraphs) ---------------------------------
+def prefill_engine(tiny_dir, max_tokens: int = 32, **options):
+    from eaglekv.cuda_graph import PrefillGraphs
+    options.setdefault("max_running_requests", 4)
+    options.setdefault("max_context_len", 64)
+    engine = tiny_engine(tiny_dir, attention_backend="triton", **options)
+    engine.runner.prefill_graphs = PrefillGraphs(engine.model, engine.backend, max_tokens,
+                                                 engine.max_context_len, progress=False,
+                                                 capture=False)
+    return engine
+
+
+def test_prefill_buckets():
+    from eaglekv.cuda_graph import prefill_buckets
+    assert prefill_buckets(100) == (16, 32, 64, 100)
+    assert prefill_buckets(16) == (16,) and prefill_buckets(8) == (8,)
+    with pytest.raises(ConfigError, match=r"cuda_graph_prefill_tokens=-1 must be an int in "
+                                          r"\[0, 4096\]"):
+        EngineConfig(cuda_graph_prefill_tokens=-1)
+    with pytest.raises(ConfigError, match="cuda_graph_prefill_tokens=True"):
+        EngineConfig(cuda_graph_prefill_tokens=True)
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_prefill_graph_equals_the_eager_prefill(tiny_dir, reference, chunk):
+    """Each prompt prefilled alone through the prefill graph (whole, or in chunks of 4 over
+    its cached prefix, the last chunk sampling): the same tokens as plain decoding, the
+    request's K/V equal to an eager prefill's, and no other slot but the padding page's
+    written (the padding tokens write slot 0 only; earlier requests' K/V stay)."""
+    engine = prefill_engine(tiny_dir, chunked_prefill_size=chunk)
+    eager = tiny_engine(tiny_dir, attention_backend="triton", max_running_requests=4,
+                        max_context_len=64, chunked_prefill_size=chunk)
+    g = engine.runner.prefill_graphs
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    buffers = engine.kv_pool.k_buffer + engine.kv_pool.v_buffer
+    for prompt, ref in zip(PROMPTS, reference):
+        mine, theirs = engine.add_request(prompt, sp), eager.add_request(prompt, sp)
+        before = [b.clone() for b in buffers]
+        while not mine.output_ids:
+            engine.step()
+        while not theirs.output_ids:
+            eager.step()
+        a = engine.req_to_token.req_to_token[mine.row, :mine.kv_len].long()
+        b = eager.req_to_token.req_to_token[theirs.row, :theirs.kv_len].long()
+        for x, y in zip(buffers, eager.kv_pool.k_buffer + eager.kv_pool.v_buffer):
+            torch.testing.assert_close(x[a], y[b], rtol=1e-5, atol=1e-5)
+        others = torch.ones(buffers[0].shape[0], dtype=torch.bool)
+        others[a] = False
+        others[0] = False                                 # the padding page
+        assert all(torch.equal(x[others], y[others]) for x, y in zip(before, buffers))
+        while not mine.finished:
+            engine.step()
+        assert mine.output_ids == ref
+        engine.check_memory()
+    assert g.replays == (3 if chunk is None else 6)  # prompts of 3, 11, 7: [3] [4 4 3] [4 3]
+    assert engine.allocator.is_full()
