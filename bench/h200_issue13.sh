@@ -63,7 +63,7 @@ case "${1:-bench}" in
     # the run planned on 2026-12-05 night: the prefill graphs (pg), the shipped PDL against
     # none, the checks, adaptive (its batch-1 plain horizon) against every fixed shape, the
     # checked / unchecked replays and the 8B row, in one process
-    MODES=${MODES:-plain,plain_pg,plain_nopdl,plain_unchecked,eagle_chain_S5K1N6,eagle_chain_S5K1N6_nopdl,eagle_chain_S5K1N6_unchecked,eagle_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_tree_S6K4N16,adaptive,adaptive_eagle3_trees} \
+    MODES=${MODES:-plain,plain_pg,plain_nopdl,plain_unchecked,eagle_chain_S5K1N6,eagle_chain_S5K1N6_pg,eagle_chain_S5K1N6_nopdl,eagle_chain_S5K1N6_unchecked,eagle_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_tree_S6K4N16,adaptive,adaptive_pg,adaptive_eagle3_trees} \
       CHECKS_REPLAY=${CHECKS_REPLAY-1} FLOOR=${FLOOR:-0} "$0" bench
     ;;
   tests)

@@ -329,10 +329,14 @@ class PrefillGraphs(CapturedForwards):
     first_call_id = 3 << 20
 
     def __init__(self, model, backend, max_tokens: int, max_kv_len: int,
-                 progress: bool = True, capture: bool = True):
+                 progress: bool = True, capture: bool = True, hidden: bool = False,
+                 capture_layers: tuple[int, ...] = ()):
+        """`hidden`: the forward also returns every token's hidden state (and the outputs of
+        `capture_layers`, EAGLE-3's): a speculative prefill feeds them to the draft."""
         super().__init__(model, backend, 1, capture)
         self.buckets = prefill_buckets(max_tokens)
         self.max_kv_len = max_kv_len
+        self.hidden, self.capture_layers = hidden, tuple(capture_layers)
         n, dev = self.buckets[-1], self.device
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
         self.ids, self.positions, self.out_cache_loc = z(n), z(n), z(n)
@@ -362,7 +366,8 @@ class PrefillGraphs(CapturedForwards):
                                   q_start=self.q_start, mask=None, max_extend=b,
                                   max_keys=self.max_kv_len)
         return self.model.forward_tokens(self.ids[:b], self.positions[:b], self.backend, meta,
-                                         logits_indices=self.last).logits        # (1, V)
+                                         logits_indices=self.last, return_hidden=self.hidden,
+                                         capture_layers=self.capture_layers)
 
     def _capture(self, b: int, guard) -> tuple:
         self._fill([1] * (b - 1), 0, 0, np.zeros(b - 1, dtype=np.int64), b)   # all padding
@@ -385,10 +390,17 @@ class PrefillGraphs(CapturedForwards):
             dst.copy_(tail[2 * i:2 * i + 2])
         self.last.copy_(tail[8:9])
 
-    def run(self, ids: list[int], prefix: int, row: int, slots: np.ndarray) -> torch.Tensor:
+    def run(self, ids: list[int], prefix: int, row: int, slots: np.ndarray) -> ModelOutput:
         """Extend request `row` by `ids` at positions prefix .. (slots allocated, written in
-        req_to_token) -> (1, V) logits of its last token (a view of the graph's output, valid
-        until the next replay). Call inside the step's `guarded` context."""
-        b = self.bucket(len(ids))
+        req_to_token) -> the forward's output: (1, V) logits of its last token, and with
+        `hidden` the (T, H) hidden states of its T tokens (views of the graph's buffers,
+        valid until the next replay). Call inside the step's `guarded` context."""
+        T = len(ids)
+        b = self.bucket(T)
         self._fill(ids, prefix, row, slots, b)
-        return self._replay(b)
+        out = self._replay(b)
+        if not self.hidden:
+            return out
+        return ModelOutput(logits=out.logits, hidden=out.hidden[:T],
+                           aux_hidden=None if out.aux_hidden is None
+                           else [a[:T] for a in out.aux_hidden])

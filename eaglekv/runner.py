@@ -36,6 +36,8 @@ class RunnerResources:
     max_context_len: int
     num_target_layers: int
     cuda_graph_max_bs: int = 0     # largest batch captured in CUDA graphs; 0: run eagerly
+    cuda_graph_prefill_tokens: int = 0   # one request's prefills below this replayed; 0: eager
+    prefill_graphs: object = None  # the speculative workers' shared PrefillGraphs, once made
 
 
 class ModelRunner:
@@ -84,9 +86,9 @@ class ModelRunner:
 
     def run_prefill_graph(self, plan: StepPlan) -> StepResult:
         """One request's extend replayed (PrefillGraphs), then sampling as `run_extend`."""
-        logits = self.prefill_graphs.run(plan.ids[0], plan.prefix_lens[0], plan.reqs[0].row,
-                                         plan.slots[0].numpy())
-        return self.sample(plan, plan.sampling, logits)
+        out = self.prefill_graphs.run(plan.ids[0], plan.prefix_lens[0], plan.reqs[0].row,
+                                      plan.slots[0].numpy())
+        return self.sample(plan, plan.sampling, out.logits)
 
     def graph_fits(self, plan: StepPlan) -> bool:
         return (self.graphs.bucket(len(plan.reqs)) is not None

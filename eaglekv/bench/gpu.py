@@ -113,6 +113,8 @@ MODES = {"plain": None,
          # 256; off by default until measured): at batch 1 the eager prefill was 16-24 ms of a
          # 256-token run's ~175 ms on the H100
          "plain_pg": None,
+         "eagle_chain_S5K1N6_pg": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         "adaptive_pg": dict(adaptive=True),
          "eagle_chain_S5K1N6_nopdl": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "eagle3_chain_S5K1N6_nopdl": dict(algorithm="eagle3", num_steps=5, topk=1,
                                            num_draft_tokens=6)}

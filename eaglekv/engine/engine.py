@@ -97,7 +97,9 @@ class Engine:
                               cuda_graph_max_bs=min(cfg.cuda_graph_max_bs
                                                     or cfg.max_running_requests,
                                                     cfg.max_running_requests)
-                              if cfg.cuda_graphs else 0)
+                              if cfg.cuda_graphs else 0,
+                              cuda_graph_prefill_tokens=min(cfg.cuda_graph_prefill_tokens,
+                                                            self.max_context_len))
         self.runner = (build_runner(res, spec, draft_ckpt, drafter, cfg.decode_steps)
                        if spec.enabled
                        else ModelRunner(res, self._decode_graphs(res), cfg.decode_steps,
@@ -137,7 +139,7 @@ class Engine:
     def _prefill_graphs(self, res: RunnerResources):
         """The plain runner's captured one-request prefills (`cuda_graph_prefill_tokens`,
         CUDA graphs on), else None."""
-        n = min(self.config.cuda_graph_prefill_tokens, self.max_context_len)
+        n = res.cuda_graph_prefill_tokens
         if not res.cuda_graph_max_bs or n < 2:
             return None
         from eaglekv.cuda_graph import PrefillGraphs

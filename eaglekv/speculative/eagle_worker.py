@@ -54,7 +54,7 @@ class EagleWorker:
         self.res, self.drafter, self.spec = res, drafter, spec
         self.S, self.K, self.N = spec.num_steps, spec.topk, spec.num_draft_tokens
         self.chain_steps = chain_steps
-        self.target = ModelRunner(res)
+        self.target = ModelRunner(res, prefill_graphs=self._prefill_graphs(res, drafter))
         self.loop = DraftLoop(drafter, self.S, self.K)
         self.slots = DraftSlots(res, drafter, spec)
         # the draft extend runs over the whole verify window before the step's sync (fixed
@@ -70,6 +70,21 @@ class EagleWorker:
             if self.draft_graphable(drafter) and res.page_size == 1:
                 self._capture_step_graphs(res.cuda_graph_max_bs)
         self.reset_stats()
+
+    @staticmethod
+    def _prefill_graphs(res: RunnerResources, drafter):
+        """The target's captured one-request prefills with their hidden states (for the
+        draft), made once per engine and shared by its workers (adaptive holds several);
+        None unless `cuda_graph_prefill_tokens` and CUDA graphs are on."""
+        if not res.cuda_graph_max_bs or res.cuda_graph_prefill_tokens < 2:
+            return None
+        if res.prefill_graphs is None:
+            from eaglekv.cuda_graph import PrefillGraphs
+            res.prefill_graphs = PrefillGraphs(res.model, res.backend,
+                                               res.cuda_graph_prefill_tokens,
+                                               res.max_context_len, hidden=True,
+                                               capture_layers=drafter.capture_layers)
+        return res.prefill_graphs
 
     def _capture_step_graphs(self, max_bs: int) -> None:
         """Capture the whole-step graphs; if a capture fails, say so and keep the eager draft
@@ -128,8 +143,15 @@ class EagleWorker:
         is chunked samples nothing yet (its input ends with the next prompt token), and its
         draft state stays None until the chunk that completes it."""
         reqs = plan.reqs
-        res, out, batch = self.target.run_extend(plan, return_hidden=True,
-                                                 capture_layers=self.drafter.capture_layers)
+        target = self.target
+        if target.prefill_graphs is not None and target.prefill_fits(plan):   # replayed
+            out = target.prefill_graphs.run(plan.ids[0], plan.prefix_lens[0], reqs[0].row,
+                                            plan.slots[0].numpy())
+            res, extend_lens = target.sample(plan, plan.sampling, out.logits), [len(plan.ids[0])]
+        else:
+            res, out, batch = target.run_extend(plan, return_hidden=True,
+                                                capture_layers=self.drafter.capture_layers)
+            extend_lens = batch.extend_lens_cpu
         feats = self.drafter.features(out)                                        # (T, Hf)
         live = [i for i, r in enumerate(reqs) if not res.failed[i]]
         if live:
@@ -142,7 +164,7 @@ class EagleWorker:
                                                          [r.all_ids[r.kv_len]]))
                 ctx.append(r.all_ids + (res.tokens[i] or []))
             cu = [0]
-            for ext in batch.extend_lens_cpu:
+            for ext in extend_lens:
                 cu.append(cu[-1] + ext)
             hidden = torch.cat([feats[cu[i]:cu[i + 1]] for i in live])
             self._draft_extend([reqs[i] for i in live], ids, [plan.prefix_lens[i] for i in live],

@@ -101,6 +101,33 @@ def test_prefill_graphs_greedy_equals_cpu(tiny_dir, opts):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("alg", ["eagle", "eagle3", "adaptive"])
+@pytest.mark.parametrize("chunk", [None, 8], ids=["whole", "chunks-of-8"])
+def test_speculative_prefill_graphs_are_lossless(tiny_dir, deep_dir, alg, chunk):
+    """`cuda_graph_prefill_tokens` on a speculative engine: each prompt prefilled alone
+    replays the target's prefill with its hidden states (EAGLE-3: its captured layers), the
+    draft extends over them: speculative greedy equals the CPU's plain greedy in fp32; an
+    adaptive engine's workers share one set of prefill graphs."""
+    d = deep_dir if alg == "eagle3" else tiny_dir
+    sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    cpu = [o.token_ids for o in tiny_engine(d).generate(PROMPTS, sp)]
+    sc = (dict(algorithm="eagle", draft_model="random", adaptive=True,
+               shapes=((3, 1, 4), (2, 2, 4))) if alg == "adaptive" else spec(alg, 3, 1, 4))
+    engine = tiny_engine(d, device="cuda", max_running_requests=4, speculative=sc,
+                         cuda_graph_prefill_tokens=64, chunked_prefill_size=chunk)
+    w = engine.runner
+    g = (w.first if alg == "adaptive" else w).target.prefill_graphs
+    assert g is not None and g.hidden
+    if alg == "adaptive":
+        assert all(x.target.prefill_graphs is g for x in w.workers.values())
+    assert [engine.generate([p], sp)[0].token_ids for p in PROMPTS] == cpu
+    assert g.replays >= len(PROMPTS)
+    engine.check_memory()
+    assert engine.allocator.is_full()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("speculative", [None, spec("eagle", 3, 1, 4)],
                          ids=["plain", "eagle-S3"])
 @pytest.mark.parametrize("batch", [1, 3])
