@@ -112,6 +112,11 @@ MODES = {"plain": None,
          # a request prefilled alone replays a captured prefill (cuda_graph_prefill_tokens
          # 256; off by default until measured): at batch 1 the eager prefill was 16-24 ms of a
          # 256-token run's ~175 ms on the H100
+         # the gemv kernel's tile capped at BLOCK_M * BLOCK_K = 1024 (max_tile; off by
+         # default): decode batches of 2-4 and, with gemv8, S5's 6-row verify in the kernel
+         # at the occupancy of one row
+         "plain_gt1k": None,
+         "eagle_chain_S5K1N6_gemv8_gt1k": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "plain_pg": None,
          "eagle_chain_S5K1N6_pg": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "adaptive_pg": dict(adaptive=True),
@@ -122,7 +127,7 @@ MODES = {"plain": None,
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
-            "_fmerge", "_pdl", "_nopdl", "_k64", "_pg")
+            "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -171,8 +176,13 @@ def make_engine(args, mode: str, max_batch: int) -> Engine:
     parts = name.split("_")
     if "gemv" in parts or "cublas" in parts:
         fused.FUSE_GEMV = "gemv" in parts
-    if name.endswith("_gemv8"):
+    if "gemv8" in parts:
         fused.GEMV_MAX_ROWS = 8
+    tile = None
+    if "gt1k" in parts:          # the gemv's BLOCK_M * BLOCK_K capped (fused_triton.gemv_block_k)
+        from eaglekv.kernels import fused_triton
+        tile = fused_triton.GEMV_CONFIG["max_tile"]
+        fused_triton.GEMV_CONFIG["max_tile"] = 1024
     undo = []
     for part, (module, attr, value) in MODULE_VARIANTS.items():
         if part in parts:
@@ -184,6 +194,8 @@ def make_engine(args, mode: str, max_batch: int) -> Engine:
             return _make_engine(args, mode, max_batch)
     finally:
         fused.FUSE_NORM_MATMUL, fused.FUSE_GEMV, fused.GEMV_MAX_ROWS = default
+        if tile is not None:
+            fused_triton.GEMV_CONFIG["max_tile"] = tile
         for mod, attr, was in reversed(undo):
             setattr(mod, attr, was)
 
@@ -875,7 +887,8 @@ def chained_vs_1step(result: dict) -> None:
                               ("pdl_vs_none", "_pdl", True),
                               ("pdl_vs_none", "_nopdl", False),
                               ("chain64_vs_default", "_k64", True),
-                              ("prefill_graph_vs_eager", "_pg", True)):
+                              ("prefill_graph_vs_eager", "_pg", True),
+                              ("tile_cap_vs_none", "_gt1k", True)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}
         if pairs:

@@ -284,6 +284,24 @@ _NORM_MATMUL = CachedLaunch(_norm_matmul_kernel)
 GEMV_CONFIG = dict(zip(("block_n", "block_k", "num_warps"),
                        (int(v) for v in os.environ.get("EAGLEKV_GEMV_CONFIG", "4,1024,4")
                         .split(","))))
+# "max_tile": a cap on BLOCK_M * BLOCK_K (0: none, the default until measured on a GPU). The
+# (BLOCK_M, BLOCK_N, BLOCK_K) product tile lives in registers: compiled for sm_90 (ptxas, 4
+# warps, bench/gemv_regs.py) the qkv form takes 80 registers a thread at M = 1, 128 at 4 and
+# 214 at 8 (gate_up with SiLU: 128 / 205 / 254), so at 8 rows two programs fit an SM where
+# six did at one row, and S5's 6-row verify in the kernel ran slower than cuBLAS
+# (gemv8: 1743 against 2215 tok/s, H100). Capped at 1024 the 8-row tile is BLOCK_K = 128:
+# 64 / 80 registers, the occupancy of one row (EAGLEKV_GEMV_MAX_TILE, the bench's `_gt1k`)
+GEMV_CONFIG["max_tile"] = int(os.environ.get("EAGLEKV_GEMV_MAX_TILE", "0"))
+
+
+def gemv_block_k(M: int, K: int, block_k: int | None = None) -> int:
+    """The gemv's BLOCK_K for M rows of K: `block_k`, else the configured one capped by
+    `max_tile` / BLOCK_M (at least 128); never more than K's power of two (at least 16)."""
+    bk = block_k or GEMV_CONFIG["block_k"]
+    tile = GEMV_CONFIG.get("max_tile", 0)
+    if block_k is None and tile:
+        bk = min(bk, max(128, tile // _pow2(M)))
+    return min(bk, max(16, _pow2(K)))
 
 
 @triton.jit
@@ -385,7 +403,7 @@ def gemv_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, check,
     r = x if residual is None else residual
     M, K = x.shape
     bn = block_n or GEMV_CONFIG["block_n"]
-    bk = min(block_k or GEMV_CONFIG["block_k"], max(16, _pow2(K)))
+    bk = gemv_block_k(M, K, block_k)
     nw = num_warps or GEMV_CONFIG["num_warps"]
     use_pdl = pdl.enabled(x.device)
     key = (_sig(x), residual is None, _sig(r), norm and _sig(norm_weight), _sig(w), silu_mul,

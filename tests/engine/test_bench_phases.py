@@ -326,6 +326,16 @@ def test_xs1_modes_capture_the_unsplit_extend(monkeypatch):
                     ("plain_nopdl", None, False, False, None)]
     assert at.EXTEND_SPLITS is None and at.FUSED_DECODE_MERGE is False and pdl.PDL is False
     assert fused.FUSE_GEMV is None
+    from eaglekv.kernels import fused_triton
+    tiles = []
+    monkeypatch.setattr(gpu, "_make_engine", lambda args, mode, b: tiles.append(
+        (mode, fused_triton.GEMV_CONFIG["max_tile"], fused.GEMV_MAX_ROWS)))
+    monkeypatch.setitem(fused_triton.GEMV_CONFIG, "max_tile", 0)
+    for mode in ("plain_gt1k", "eagle_chain_S5K1N6_gemv8_gt1k", "plain"):
+        gpu.make_engine(None, mode, 1)
+    assert tiles == [("plain_gt1k", 1024, 4), ("eagle_chain_S5K1N6_gemv8_gt1k", 1024, 8),
+                     ("plain", 0, 4)]
+    assert fused_triton.GEMV_CONFIG["max_tile"] == 0 and fused.GEMV_MAX_ROWS == 4
 
 
 def test_jit_loads_names_kernels_first_launched_in_a_timed_run():

@@ -681,6 +681,30 @@ def test_gemv_tilings_match_reference(tiling, silu):
         assert err <= MATMUL_TOL[torch.float32], (t, float(err))
 
 
+@pytest.mark.parametrize("M", [1, 4, 8])
+def test_gemv_max_tile_caps_block_k_by_rows(M, monkeypatch):
+    """`max_tile` (off by default): BLOCK_K shrinks with the rows, BLOCK_M * BLOCK_K at most
+    the cap (BLOCK_K at least 128), an explicit block_k and K's own size win; the capped
+    tiling matches the reference."""
+    from eaglekv.kernels import fused
+    ft = fused._triton_impl()
+    assert ft.gemv_block_k(M, 4096) == ft.GEMV_CONFIG["block_k"]           # off: unchanged
+    monkeypatch.setitem(ft.GEMV_CONFIG, "max_tile", 1024)
+    assert ft.gemv_block_k(M, 4096) == {1: 1024, 4: 256, 8: 128}[M]
+    assert ft.gemv_block_k(8, 4096, block_k=512) == 512 and ft.gemv_block_k(1, 100) == 128
+    K, N = 300, 40
+    x, r = randn(M, K, seed=1), randn(M, K, seed=2)
+    w = fused.column_major(randn(K, N, seed=4, scale=K ** -0.5))
+    nw = randn(K, seed=3, scale=0.2) + 1
+    for silu in (False, True):
+        want, want_res = fused.norm_matmul_torch(x.cpu(), r.cpu(), nw.cpu(), EPS,
+                                                 w.cpu().contiguous(), silu_mul=silu)
+        got, got_res = ft.gemv_triton(x, r, nw, EPS, w, silu, fused._check_gemv)
+        assert torch.equal(got_res.cpu(), want_res)
+        err = (got.cpu().double() - want.double()).abs().max() / want.double().abs().max()
+        assert err <= MATMUL_TOL[torch.float32], float(err)
+
+
 def test_gemv_takes_only_decode_rows_of_column_major_weights(monkeypatch):
     from eaglekv.kernels import fused
     monkeypatch.setattr(fused, "FUSE_GEMV", True)
