@@ -107,7 +107,7 @@ MODES = {"plain": None,
          "eagle_chain_S5K1N6_pdl": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "eagle_chain_S5K1N6_fmerge_pdl": dict(num_steps=5, topk=1, num_draft_tokens=6),
          # PDL off (shipped on since 2026-12-05 night, and with it every decode-sized matmul
-         # in the gemv kernel): the engine the way before, cuBLAS for o, down and lm_head
+         # in the gemv kernel): the engine the way before, cuBLAS for o and down
          "plain_nopdl": None,
          # a request prefilled alone replays a captured prefill (cuda_graph_prefill_tokens
          # 256; off by default until measured): at batch 1 the eager prefill was 16-24 ms of a
