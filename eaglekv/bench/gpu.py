@@ -117,6 +117,10 @@ MODES = {"plain": None,
          # at the occupancy of one row
          "plain_gt1k": None,
          "eagle_chain_S5K1N6_gemv8_gt1k": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         # and the extend attention under PDL too (attention_triton.EXTEND_PDL, off by
+         # default): with gemv8_gt1k a verify layer chains Triton to Triton
+         "eagle_chain_S5K1N6_xpdl": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         "eagle_chain_S5K1N6_gemv8_gt1k_xpdl": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "plain_pg": None,
          "eagle_chain_S5K1N6_pg": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "adaptive_pg": dict(adaptive=True),
@@ -127,13 +131,14 @@ MODES = {"plain": None,
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
-            "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k")
+            "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
                    "fmerge": ("eaglekv.kernels.attention_triton", "FUSED_DECODE_MERGE", True),
                    "pdl": ("eaglekv.kernels.pdl", "PDL", True),
-                   "nopdl": ("eaglekv.kernels.pdl", "PDL", False)}
+                   "nopdl": ("eaglekv.kernels.pdl", "PDL", False),
+                   "xpdl": ("eaglekv.kernels.attention_triton", "EXTEND_PDL", True)}
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees")
 
 
@@ -888,7 +893,8 @@ def chained_vs_1step(result: dict) -> None:
                               ("pdl_vs_none", "_nopdl", False),
                               ("chain64_vs_default", "_k64", True),
                               ("prefill_graph_vs_eager", "_pg", True),
-                              ("tile_cap_vs_none", "_gt1k", True)):
+                              ("tile_cap_vs_none", "_gt1k", True),
+                              ("extend_pdl_vs_none", "_xpdl", True)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}
         if pairs:

@@ -303,9 +303,14 @@ def _own_rows(qstart_ptr, b, t, q0, ext, n_q, n_req, max_ext):
 @triton.jit(do_not_specialize=["n_q", "n_req", "max_ext", "n_splits"])
 def _extend_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, qstart_ptr, ext_ptr, o_s0, o_s1,
                          o_s2, n_q, n_req, max_ext, n_splits, H: tl.constexpr,
-                         D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr):
+                         D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
+                         USE_GDC: tl.constexpr = False):
     """Program (b, t, h): query t of request b, head h, its n_splits (<= SP) partials merged
-    into out; only the rows the extend kernel wrote partials for (`_own_rows`)."""
+    into out; only the rows the extend kernel wrote partials for (`_own_rows`). USE_GDC (PDL):
+    every input is an earlier kernel's output, so the wait comes first."""
+    if USE_GDC:
+        gdc_wait()
+        gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -325,7 +330,8 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
                    v_s1, m_s0, m_s1, m_s2, n_mask, n_q, n_req, max_ext, n_splits,
                    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CUSTOM: tl.constexpr, F32DOT: tl.constexpr, CHECK: tl.constexpr):
+                   CUSTOM: tl.constexpr, F32DOT: tl.constexpr, CHECK: tl.constexpr,
+                   USE_GDC: tl.constexpr = False):
     """Program (b, query block, kv head x split): rows r = (t, g) of BLOCK_M queries x GP
     heads. Query t sits at position prefix + t and sees keys pos < prefix, and window keys
     j = pos - prefix (j < extend_len) with j <= t (causal) or mask[b, t, j] | (j == t).
@@ -339,7 +345,12 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
     query block in the grid (each split its own keys), which reads every key any of its blocks
     reads (all of pos < prefix + extend_len, unless a corrupt extend_len passes the grid's
     max_extend). A request reads and writes only its own query rows (`_own_rows`), so a
-    corrupt extend_len cannot write another request's output."""
+    corrupt extend_len cannot write another request's output. USE_GDC (PDL, EXTEND_PDL):
+    every input (the lengths included) may be an earlier kernel's output, so every program
+    waits first, before its early exit; the next kernel may launch once the key loops are
+    issued."""
+    if USE_GDC:
+        gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     mb = tl.program_id(1).to(tl.int64)
     kvh = tl.program_id(2).to(tl.int64) // n_splits
@@ -405,6 +416,8 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, start_ptr, prefix_pt
             n_pre, k_pre = _outside(base, p_lo, p_hi, n_table)
             n_win, k_win = _outside(base + prefix, 0, hi, n_table)
             _record_one(err_ptr, n_pre + n_win, (cid << 32) + tl.minimum(k_pre, k_win))
+    if USE_GDC:
+        gdc_launch_dependents()
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if n_splits == 1:
         tl.store(out_ptr + (q0 + t)[:, None] * o_s0 + h[:, None] * o_s1 + d[None, :] * o_s2,
@@ -486,6 +499,13 @@ def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scal
 # and compiled for sm_90) 2026-12-05 evening, neither run nor timed on a GPU: off until it is
 # (EAGLEKV_FUSED_DECODE_MERGE=1 or the bench's `*_fmerge` modes turn it on).
 FUSED_DECODE_MERGE = os.environ.get("EAGLEKV_FUSED_DECODE_MERGE", "0") == "1"
+# Programmatic dependent launch for the extend kernel and its merge too (with PDL on: a
+# verify's layers then chain Triton to Triton where its matmuls run in the gemv kernel, the
+# bench's `*_gemv8_gt1k_xpdl`). Measured on an H100 2026-12-05 (18:50): the S5 step runs
+# 3766 kernels an engine step in 9.19 ms of kernel time and 11.66 ms of wall, ~0.65 us idle a
+# kernel boundary, as plain decoding had without PDL (0.62 us) and not with it (0.07 us).
+# Built without a GPU that night: off until measured (EAGLEKV_EXTEND_PDL=1 turns it on).
+EXTEND_PDL = os.environ.get("EAGLEKV_EXTEND_PDL", "0") == "1"
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 TICKETS = 1 << 16      # (b, kv head) pairs of one decode launch that can merge in it
 
@@ -545,6 +565,7 @@ def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, 
     ms = mk.stride() if custom else (0, 0, 0)
     check = _check_level(checked)
     guard, call_id = _register("extend_attention", size_limit, table, layer, check)
+    use_pdl = EXTEND_PDL and pdl.enabled(q.device)
     _extend_kernel[(B, blocks, hkv * num_splits)](
         q, k_buffer, v_buffer, out, table, kv_start, prefix_len, extend_len, q_start, mk,
         guard.err, mid_o, mid_lse, call_id, size_limit, table.numel(), scale * _LOG2E,
@@ -552,14 +573,14 @@ def extend_attention_triton(q, k_buffer, v_buffer, table, kv_start, prefix_len, 
         v_buffer.stride(0), v_buffer.stride(1), *ms, mask.shape[1] if custom else 0, T, B,
         max_extend, num_splits, H=H, G=G, GP=GP, D=D, DP=DP, BLOCK_M=block_m,
         BLOCK_N=block_n, CUSTOM=custom, F32DOT=_f32_dot(q.dtype), CHECK=check,
-        num_warps=8 if block_m * GP >= 128 else 4,
-        num_stages=key_loop_stages(check, short))
+        USE_GDC=use_pdl, num_warps=8 if block_m * GP >= 128 else 4,
+        num_stages=key_loop_stages(check, short), **pdl.launch_options(use_pdl))
     if num_splits > 1:
         _extend_merge_kernel[(B, max_extend, H)](
             mid_o, mid_lse, out, q_start, extend_len, *out.stride(), T, B, max_extend,
             num_splits, H=H, D=D, DP=DP,
-            SP=max(MAX_EXTEND_SPLITS, triton.next_power_of_2(num_splits)),
-            num_warps=1 if DP <= 64 else 2)
+            SP=max(MAX_EXTEND_SPLITS, triton.next_power_of_2(num_splits)), USE_GDC=use_pdl,
+            num_warps=1 if DP <= 64 else 2, **pdl.launch_options(use_pdl))
     guard.after_launch()
     return out
 

@@ -336,6 +336,15 @@ def test_xs1_modes_capture_the_unsplit_extend(monkeypatch):
     assert tiles == [("plain_gt1k", 1024, 4), ("eagle_chain_S5K1N6_gemv8_gt1k", 1024, 8),
                      ("plain", 0, 4)]
     assert fused_triton.GEMV_CONFIG["max_tile"] == 0 and fused.GEMV_MAX_ROWS == 4
+    xpdl = []
+    monkeypatch.setattr(gpu, "_make_engine", lambda args, mode, b: xpdl.append(
+        (mode, at.EXTEND_PDL, fused_triton.GEMV_CONFIG["max_tile"])))
+    monkeypatch.setattr(at, "EXTEND_PDL", False)
+    for mode in ("eagle_chain_S5K1N6_gemv8_gt1k_xpdl", "eagle_chain_S5K1N6"):
+        gpu.make_engine(None, mode, 1)
+    assert xpdl == [("eagle_chain_S5K1N6_gemv8_gt1k_xpdl", True, 1024),
+                    ("eagle_chain_S5K1N6", False, 0)]
+    assert at.EXTEND_PDL is False
 
 
 def test_jit_loads_names_kernels_first_launched_in_a_timed_run():

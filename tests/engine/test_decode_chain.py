@@ -224,15 +224,16 @@ def test_prefill_buckets():
         EngineConfig(cuda_graph_prefill_tokens=True)
 
 
-@pytest.mark.parametrize("chunk", [None, 4])
-def test_prefill_graph_equals_the_eager_prefill(tiny_dir, reference, chunk):
+@pytest.mark.parametrize("chunk,page_size", [(None, 1), (4, 4)])
+def test_prefill_graph_equals_the_eager_prefill(tiny_dir, reference, chunk, page_size):
     """Each prompt prefilled alone through the prefill graph (whole, or in chunks of 4 over
-    its cached prefix, the last chunk sampling): the same tokens as plain decoding, the
-    request's K/V equal to an eager prefill's, and no other slot but the padding page's
-    written (the padding tokens write slot 0 only; earlier requests' K/V stay)."""
-    engine = prefill_engine(tiny_dir, 16, chunked_prefill_size=chunk)
+    its cached prefix in pages of 4, the last chunk sampling): the same tokens as plain
+    decoding, the request's K/V equal to an eager prefill's, and no other slot but the
+    padding page's written (the padding tokens write slot 0 only; earlier requests' K/V
+    stay)."""
+    engine = prefill_engine(tiny_dir, 16, chunked_prefill_size=chunk, page_size=page_size)
     eager = tiny_engine(tiny_dir, max_running_requests=4, max_context_len=64,
-                        chunked_prefill_size=chunk)              # the torch reference path
+                        chunked_prefill_size=chunk, page_size=page_size)   # the torch path
     g = engine.runner.prefill_graphs
     sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
     buffers = engine.kv_pool.k_buffer + engine.kv_pool.v_buffer
@@ -261,15 +262,15 @@ def test_prefill_graph_equals_the_eager_prefill(tiny_dir, reference, chunk):
 
 def test_speculative_prefill_graph_is_lossless(deep_dir):
     """A speculative engine's prefills replayed with their hidden states and EAGLE-3's
-    captured layers: the draft extends over them as after an eager prefill; each prompt
-    alone, in chunks of 4 over its cached prefix: speculative greedy equals plain greedy,
-    token for token, the draft's K/V of each prompt equal to the eager engine's, the books
+    captured layers: the draft extends over them as after an eager prefill; an 11-token
+    prompt alone, in chunks of 4 over its cached prefix: speculative greedy equals plain
+    greedy, token for token, the draft's K/V equal to the eager engine's, the books
     whole. (One case: under the interpreter a speculative step is slow; the GPU tests run
     EAGLE-1 and EAGLE-3, whole and chunked.)"""
     from eaglekv.cuda_graph import PrefillGraphs
     d, alg, chunk = deep_dir, "eagle3", 4
     sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
-    prompts = PROMPTS[1:]                                 # 11 and 7 tokens: [4 4 3] [4 3]
+    prompts = PROMPTS[1:2]                                # 11 tokens: chunks [4 4 3]
     opts = dict(attention_backend="triton", max_running_requests=4, max_context_len=64,
                 chunked_prefill_size=chunk,
                 speculative=dict(algorithm=alg, draft_model="random", num_steps=3, topk=1,
@@ -300,5 +301,5 @@ def test_speculative_prefill_graph_is_lossless(deep_dir):
             eager.step()
         assert mine.output_ids == ref
         engine.check_memory()
-    assert w.target.prefill_graphs.replays == 5
+    assert w.target.prefill_graphs.replays == 3
     assert engine.allocator.is_full()

@@ -129,6 +129,10 @@ out["decode_gdc"] = gdc(ptx_of(at._decode_kernel, PTRS, dict(DEC, CHECK=0, USE_G
                                num_stages=3)[0])
 out["merge_gdc"] = gdc(ptx_of(at._merge_kernel, PTRS, dict(H=9, D=64, DP=64, SPLITS=16, SP=16,
                                                            USE_GDC=True))[0])
+out["extend_gdc"] = gdc(ptx_of(at._extend_kernel, PTRS, dict(EXT, CHECK=1, USE_GDC=True),
+                               num_stages=2)[0])
+out["extend_merge_gdc"] = gdc(ptx_of(at._extend_merge_kernel, PTRS,
+                                     dict(H=9, D=64, DP=64, SP=8, USE_GDC=True))[0])
 print(json.dumps(out))
 '''
 
@@ -212,8 +216,10 @@ def test_the_gemv_kernel_prefetches_its_weights_before_the_pdl_wait(async_copies
     assert async_copies["launch_pdl_in_metadata"]
 
 
-@pytest.mark.parametrize("kernel", ["rope_gdc", "decode_gdc", "merge_gdc"])
+@pytest.mark.parametrize("kernel", ["rope_gdc", "decode_gdc", "merge_gdc", "extend_gdc",
+                                    "extend_merge_gdc"])
 def test_pdl_kernels_wait_before_their_first_load(async_copies, kernel):
-    """RoPE + K/V store, decode attention and its merge read only what earlier kernels wrote:
-    under PDL their first global load comes after `griddepcontrol.wait`."""
+    """RoPE + K/V store, decode attention and its merge, extend attention and its merge
+    (attention_triton.EXTEND_PDL, off by default) read only what earlier kernels wrote: under
+    PDL their first global load comes after `griddepcontrol.wait`."""
     assert async_copies[kernel] == {"wait": True, "trigger": True, "load_before_wait": False}
