@@ -803,11 +803,11 @@ def test_policy_driven_chains_cost_per_token(tiny_dir, reference, monkeypatch):
                                 drafter=ScriptedDrafter(oracle(PROMPTS, reference,
                                                                lambda j: True), 256))
     eng.runner.policy.costs = CostTable(drop_first=False)
-    outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=40, ignore_eos=True))
-    assert [o.token_ids for o in outs] == reference
+    outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r[:24] for r in reference]
     costs, st = eng.runner.policy.costs, eng.spec_stats()
     assert costs.known(CHAIN, 4) and costs.get(CHAIN, 4) > 0
-    assert st.choices[PLAIN] < 20, st.choices             # 39 tokens each after the prefill
+    assert st.choices[PLAIN] < 12, st.choices             # 23 tokens each after the prefill
     eng.check_memory()
     assert eng.allocator.is_full()
 
