@@ -47,7 +47,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="largest decode batch captured as a CUDA graph (default: "
                    "--max-running-requests)")
     p.add_argument("--cuda-graph-prefill-tokens", type=int, default=0,
-                   help="plain decoding: replay one request's prefill of fewer than this many "
+                   help="replay one request's prefill (or chunk) of fewer than this many "
                    "tokens as a CUDA graph per token bucket (0, the default: eager)")
     p.add_argument("--waiting-served-ratio", type=float, default=d.waiting_served_ratio,
                    help="while requests decode, admit newcomers once they are this fraction "

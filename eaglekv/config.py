@@ -255,9 +255,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     disable_cuda_graph: bool = False     # CUDA: run every step eagerly (debugging)
     cuda_graph_max_bs: int | None = None  # largest captured decode batch (default: max_running)
-    # a plain engine's prefills of one request up to this many tokens (less one) replayed as
-    # CUDA graphs per token bucket (cuda_graph.PrefillGraphs); 0: eager (the default until
-    # measured on a GPU)
+    # one request's prefill (or chunk of one) of fewer than this many tokens replayed as a
+    # CUDA graph per token bucket (cuda_graph.PrefillGraphs), plain and speculative engines;
+    # 0: eager (the default until measured on a GPU)
     cuda_graph_prefill_tokens: int = 0
     # greedy decode steps replayed back to back per engine step, one sync for all (vLLM's
     # --num-scheduler-steps; a speculative engine chains ceil(this / (S + 1)) whole-step
