@@ -48,7 +48,16 @@ def faster_triton_interpreter():
     if not ok:
         yield
         return
+    # the names of each package's builtins, listed before any launch (every member is its
+    # original then): a launch patches those names whose member is a builtin at that moment,
+    # as Triton's own function does (a package met later is listed then, all its names)
     names: dict[int, tuple[object, list[str]]] = {}
+    tl = ti.tl
+    for pkg in (tl, tl.core, tl.math, tl.tensor, tl.core.tensor,
+                getattr(tl.core, "tensor_descriptor_base", None)):
+        if pkg is not None:
+            names[id(pkg)] = (pkg, sorted(n for n in dir(pkg)
+                                          if tl.core.is_builtin(getattr(pkg, n, None))))
 
     def patch_builtin(pkg, builder, scope):
         if id(pkg) not in names:

@@ -717,14 +717,18 @@ def test_extend_split_k_equals_reference(splits, monkeypatch):
     """The extend kernel with its prefix split over 3 and 8 programs a kv head (on a GPU the
     default splits a short extend of few requests 8 ways; the other tests run it unsplit under
     the interpreter): the reference's results (causal,
-    tree masks, prefixes shorter than the splits, several query blocks), rows outside every
-    request untouched, a corrupt extend_len writing nothing of another request's, and bad
-    slots and table positions reported once with the right count."""
+    tree masks, prefixes shorter than the splits, several query blocks); at 8 splits also rows
+    outside every request untouched, a corrupt extend_len writing nothing of another
+    request's, and bad slots and table positions reported once with the right count (the
+    error paths do not depend on the split count: 3 splits leave them to 8, ~13 s under the
+    interpreter)."""
     from eaglekv.kernels import attention_triton as at
     monkeypatch.setattr(at, "EXTEND_SPLITS", splits)
     test_tree_mask_and_untouched_rows()
     test_extend_matches_reference((9, 3, 64), torch.bfloat16)
     test_extend_several_query_blocks((9, 3, 64))
+    if splits != 8:
+        return
     test_extend_writes_only_its_own_rows()
     test_extend_bad_slot("limit", True)
     test_extend_table_position_outside("prefix_past_end", True)

@@ -751,8 +751,8 @@ def test_chained_plain_steps_then_speculation_are_lossless(tiny_dir, reference, 
         Choice(S3, list(range(n)), [])))
     stop = reference[1][9]
     first = reference[1].index(stop)
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (40, 40, 23, 40)]
-    params[1] = SamplingParams(max_new_tokens=40, ignore_eos=True, stop_token_ids=[stop])
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (24, 24, 15, 24)]
+    params[1] = SamplingParams(max_new_tokens=24, ignore_eos=True, stop_token_ids=[stop])
     reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
     draft = w.drafter
     grew, caught = [], 0
@@ -784,7 +784,7 @@ def test_chained_plain_steps_then_speculation_are_lossless(tiny_dir, reference, 
                                 dback.init_forward_metadata(dbatch))
             torch.testing.assert_close(draft.kv_pool.k_buffer[0][slots],
                                        dpool.k_buffer[0][fslots], atol=1e-4, rtol=1e-4)
-    want = [reference[0], reference[1][:first + 1], reference[2][:23], reference[3]]
+    want = [reference[0][:24], reference[1][:first + 1], reference[2][:15], reference[3][:24]]
     assert [r.output_ids for r in reqs] == want
     assert reqs[1].finish_reason == "stop"
     assert max(grew) == 4 and caught                      # chains of 4 made the Lags

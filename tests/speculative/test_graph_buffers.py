@@ -215,7 +215,7 @@ def test_spec_chain_bad_step_and_short_pool(tiny_dir):
     assert engine.allocator.is_full()
 
     engine = tiny_engine(tiny_dir, max_running_requests=3, attention_backend="triton",
-                         max_context_len=64, max_total_tokens=72,
+                         max_context_len=64, max_total_tokens=56,
                          speculative=spec("eagle", 3, 1, 4))
     make_predictable(engine)
     w = engine.runner
@@ -226,7 +226,7 @@ def test_spec_chain_bad_step_and_short_pool(tiny_dir):
     orig = w.chain_len
     w.chain_len = lambda reqs, *a: lens.append(
         (orig(reqs, *a), len(reqs), engine.allocator.available_slots())) or lens[-1][0]
-    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=14, ignore_eos=True)
     reqs = [engine.add_request(p, sp) for p in PROMPTS]
     while engine.has_unfinished():
         engine.step()
