@@ -33,12 +33,17 @@ def ptxas() -> str:
     raise SystemExit(f"no ptxas under {bin_dir}")
 
 
-def resources(block_m: int, block_n: int, block_k: int, silu: bool, num_warps: int = 4
-              ) -> dict:
-    fn = ft._gemv_kernel
-    cx = dict(NORM=True, HAS_RESIDUAL=True, SILU=silu, BLOCK_M=block_m, BLOCK_N=block_n,
-              BLOCK_K=block_k, BY_HAND=False, USE_GDC=True)
-    sig = {n: "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
+def resources(block_m: int, block_n: int, block_k: int, silu: bool, num_warps: int = 4,
+              rope: bool = False) -> dict:
+    """`rope`: the qkv form with the RoPE + K/V store epilogue (`_gemv_rope_kernel`, SmolLM2's
+    heads) instead of `_gemv_kernel`."""
+    fn = ft._gemv_rope_kernel if rope else ft._gemv_kernel
+    cx = dict(HAS_RESIDUAL=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+              BY_HAND=False, USE_GDC=True)
+    cx.update(dict(H=9, HKV=3, D=64, CHECK=True) if rope else dict(NORM=True, SILU=silu))
+    fp32 = ("cos_ptr", "sin_ptr")
+    sig = {n: ("*fp32" if n in fp32 else "*i64" if n in ("pos_ptr", "loc_ptr", "err_ptr")
+               else "*bf16") if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
            for n in fn.arg_names}
     sig.update({k: "constexpr" for k in cx})
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in cx.items()})
@@ -54,8 +59,8 @@ def resources(block_m: int, block_n: int, block_k: int, silu: bool, num_warps: i
     st, ld = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
                                 log).groups())
     threads = 32 * num_warps
-    return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "silu": silu,
-            "registers": regs, "spill_stores": st, "spill_loads": ld,
+    return {"kernel": fn.__name__, "block_m": block_m, "block_n": block_n,
+            "block_k": block_k, "silu": silu, "registers": regs, "spill_stores": st, "spill_loads": ld,
             "programs_per_sm": min(65536 // (threads * regs), 2048 // threads)}
 
 
@@ -65,8 +70,8 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for bm, bn, bk in CONFIGS:
-        for silu in (False, True):
-            r = resources(bm, bn, bk, silu)
+        for silu, rope in ((False, False), (True, False), (False, True)):
+            r = resources(bm, bn, bk, silu, rope=rope)
             rows.append(r)
             print(json.dumps(r), flush=True)
     if args.out:

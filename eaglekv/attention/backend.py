@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglekv.core import ForwardBatch
+from eaglekv.kernels.fused import norm_matmul
 from eaglekv.kernels.guard import guard_segments
 from eaglekv.memory import KVPool, ReqToTokenPool
 from eaglekv.model.rope import RotaryEmbedding
@@ -45,6 +46,17 @@ class AttentionBackend:
         H, Hkv = num_heads, num_kv_heads
         qk = RotaryEmbedding.apply(qkv[:, :H + Hkv], rope_in)           # q and k in one go
         return self.forward(qk[:, :H], qk[:, H:], qkv[:, H + Hkv:], layer, meta, scale)
+
+    def forward_norm_qkv(self, x: torch.Tensor, residual: torch.Tensor | None,
+                         norm_weight: torch.Tensor, eps: float, w: torch.Tensor, rope_in,
+                         layer: int, meta, scale: float, num_heads: int, num_kv_heads: int,
+                         matmul=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoder layer's add + RMSNorm + qkv matmul (`fused.norm_matmul`, the matmul through
+        `matmul`), then `forward_qkv` -> (attention output (T, H, D), new residual)."""
+        qkv, residual = norm_matmul(x, residual, norm_weight, eps, w, matmul=matmul)
+        H, Hkv = num_heads, num_kv_heads
+        qkv = qkv.view(x.shape[0], H + 2 * Hkv, qkv.shape[1] // (H + 2 * Hkv))
+        return self.forward_qkv(qkv, rope_in, layer, meta, scale, H, Hkv), residual
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta,
                 scale: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from eaglekv.attention.backend import AttentionBackend
 from eaglekv.core import ForwardBatch
 from eaglekv.kernels.attention import decode_attention, default_num_splits, extend_attention
-from eaglekv.kernels.fused import rope_store_qkv
+from eaglekv.kernels.fused import norm_matmul_rope_store, rope_store_qkv
 from eaglekv.kernels.guard import checks_enabled, guard_segments
 from eaglekv.kernels.table_guard import guard_table_rows
 from eaglekv.memory import KVPool, ReqToTokenPool
@@ -146,6 +146,18 @@ class TritonAttentionBackend(AttentionBackend):
                            num_heads=num_heads, num_kv_heads=num_kv_heads,
                            size_limit=self.kv_pool.size_limit, layer=layer)
         return self.attend(q, layer, meta, scale)
+
+    def forward_norm_qkv(self, x, residual, norm_weight, eps, w, rope_in, layer,
+                         meta: TritonAttnMetadata, scale, num_heads, num_kv_heads, matmul=None):
+        """`norm_matmul_rope_store` (the qkv matmul with RoPE and the K/V store, in one kernel
+        where `fused.use_gemv_rope` says so), then attend."""
+        cos, sin, positions = rope_in
+        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer)
+        q, residual = norm_matmul_rope_store(
+            x, residual, norm_weight, eps, w, cos, sin, positions, k_buf, v_buf,
+            meta.out_cache_loc, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            size_limit=self.kv_pool.size_limit, layer=layer, matmul=matmul)
+        return self.attend(q, layer, meta, scale), residual
 
     def forward(self, q, k, v, layer, meta: TritonAttnMetadata, scale):
         """q, k already rotated: store K/V (guarded), then attend."""

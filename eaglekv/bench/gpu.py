@@ -126,19 +126,28 @@ MODES = {"plain": None,
          "adaptive_pg": dict(adaptive=True),
          "eagle_chain_S5K1N6_nopdl": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "eagle3_chain_S5K1N6_nopdl": dict(algorithm="eagle3", num_steps=5, topk=1,
-                                           num_draft_tokens=6)}
+                                           num_draft_tokens=6),
+         # the qkv gemv with RoPE + the K/V store as its epilogue (fused.FUSE_GEMV_ROPE, off
+         # by default until measured): one kernel a layer fewer in every decode-sized forward
+         # (the plain decode, S5's draft steps and, with gemv8, its verify)
+         "plain_grope": None,
+         "eagle_chain_S5K1N6_grope": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         "eagle_chain_S5K1N6_gemv8_gt1k_xpdl_grope": dict(num_steps=5, topk=1,
+                                                          num_draft_tokens=6),
+         "adaptive_grope": dict(adaptive=True)}
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
-            "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl")
+            "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
                    "fmerge": ("eaglekv.kernels.attention_triton", "FUSED_DECODE_MERGE", True),
                    "pdl": ("eaglekv.kernels.pdl", "PDL", True),
                    "nopdl": ("eaglekv.kernels.pdl", "PDL", False),
-                   "xpdl": ("eaglekv.kernels.attention_triton", "EXTEND_PDL", True)}
+                   "xpdl": ("eaglekv.kernels.attention_triton", "EXTEND_PDL", True),
+                   "grope": ("eaglekv.kernels.fused", "FUSE_GEMV_ROPE", True)}
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees")
 
 
@@ -569,6 +578,17 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
     graphs = DecodeGraphs(model, backend, 1, context + steps + 8, progress=False)
     fused_s, step_s, fused_s2 = (decode_step_s(with_fused), decode_step_s(graphs),
                                  decode_step_s(with_fused))
+    default, fused.FUSE_GEMV_ROPE = fused.FUSE_GEMV_ROPE, not fused.FUSE_GEMV_ROPE
+    try:       # the other setting of the qkv gemv's RoPE epilogue (off by default)
+        other = DecodeGraphs(model, backend, 1, context + steps + 8, progress=False)
+        rope = {"on" if fused.FUSE_GEMV_ROPE else "off": [decode_step_s(other),
+                                                          decode_step_s(other)]}
+        rope["on" if default else "off"] = [step_s, decode_step_s(graphs)]
+    except Exception as e:                              # noqa: BLE001 - costs this field only
+        rope = {"error": repr(e)}
+    finally:
+        fused.FUSE_GEMV_ROPE = default
+    other = None
     chain_k = min(DEFAULT_SCHEDULER_STEPS, 8)      # 6 chains inside the KV pool's steps
     try:     # new here (2026-12-05 evening, not yet run on a GPU): its failure costs the row
         chained_s = chained_step_s(graphs, chain_k)    # nothing else
@@ -614,7 +634,13 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
            "fraction_of_roofline_chained": roofline_s / chained_s, "chain_error": chain_error,
            "kernels_per_step": len(kernels) / 5,
            "device_ms_per_step": sum(e.device_time for e in kernels) / 1e3 / 5,
-           "kernel_top": kernel_top(kernels, 5), "verify_vs_decode": verify}
+           "kernel_top": kernel_top(kernels, 5), "verify_vs_decode": verify,
+           # one-step replays with the qkv gemv's RoPE epilogue off / on (two each, ms) and
+           # the fraction of the roofline of the faster
+           "gemv_rope_decode_ms": {k: [1e3 * t for t in v] if isinstance(v, list) else v
+                                   for k, v in rope.items()},
+           "gemv_rope_fraction_of_roofline": {k: roofline_s / min(v) for k, v in rope.items()
+                                              if isinstance(v, list)}}
     del graphs, model, pool, backend
     torch.cuda.empty_cache()
     return out
@@ -894,7 +920,8 @@ def chained_vs_1step(result: dict) -> None:
                               ("chain64_vs_default", "_k64", True),
                               ("prefill_graph_vs_eager", "_pg", True),
                               ("tile_cap_vs_none", "_gt1k", True),
-                              ("extend_pdl_vs_none", "_xpdl", True)):
+                              ("extend_pdl_vs_none", "_xpdl", True),
+                              ("rope_in_gemv_vs_separate", "_grope", True)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}
         if pairs:

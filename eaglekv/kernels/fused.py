@@ -325,3 +325,62 @@ def rope_store_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return _triton_impl().rope_store_qkv_triton(qkv, cos, sin, positions, k_cache, v_cache,
                                                 out_cache_loc, num_heads, num_kv_heads,
                                                 size_limit, layer, _check_rope_store)
+
+
+# ------------------------------------------------------------------- norm_matmul_rope_store
+
+# The qkv gemv with rope_store_qkv as its epilogue (`fused_triton._gemv_rope_kernel`): one
+# launch a layer fewer where the qkv matmul runs in the gemv kernel. Why: with PDL the plain
+# decode step at batch 1 spends 1.38 us a layer in rope_store_qkv (1324 us of 19.3 ms for 32
+# tokens of 30 layers, H100, gpu_bench_h100_20261205d_default_pdl.json), a kernel that only
+# moves the 960 values the qkv kernel just wrote. Off until measured on a GPU (the bench's
+# `*_grope` modes); EAGLEKV_GEMV_ROPE=1 turns it on. Read at each forward (graphs capture it).
+FUSE_GEMV_ROPE = os.environ.get("EAGLEKV_GEMV_ROPE") == "1"
+
+
+def use_gemv_rope(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
+    """The fused qkv + rope kernel takes this forward: on (FUSE_GEMV_ROPE), the qkv matmul in
+    the gemv kernel (`use_gemv`), and the gemv's column block whole pairs of one head."""
+    if not (FUSE_GEMV_ROPE and use_gemv(x, w, fused=True)):
+        return False
+    bn = _triton_impl().GEMV_CONFIG["block_n"]
+    return bn % 2 == 0 and head_dim % bn == 0
+
+
+def _check_gemv_rope(x, residual, norm_weight, w, cos, sin, positions, k_cache, v_cache,
+                     out_cache_loc, num_heads, num_kv_heads, size_limit, block_n) -> None:
+    D = k_cache.shape[-1] if k_cache.dim() == 3 else 0
+    n = (num_heads + 2 * num_kv_heads) * D
+    if w.dim() != 2 or w.shape[1] != n:
+        raise ValueError(f"norm_matmul_rope_store: w has shape {tuple(w.shape)}, expected "
+                         f"({x.shape[-1]}, (num_heads + 2 * num_kv_heads) * head_dim = {n})")
+    if block_n % 2 or D % block_n:
+        raise ValueError(f"norm_matmul_rope_store: the gemv's block_n={block_n} must be even "
+                         f"and divide head_dim={D}")
+    _check_gemv(x, residual, norm_weight, w, False)
+    qkv = torch.empty((x.shape[0], num_heads + 2 * num_kv_heads, D), dtype=x.dtype,
+                      device=x.device)                # shapes only: the unfused op's checks
+    _check_rope_store(qkv, cos, sin, positions, k_cache, v_cache, out_cache_loc, num_heads,
+                      num_kv_heads, size_limit)
+
+
+def norm_matmul_rope_store(x: torch.Tensor, residual: torch.Tensor | None,
+                           norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           out_cache_loc: torch.Tensor, *, num_heads: int, num_kv_heads: int,
+                           size_limit: int, layer: int | None = None, matmul=None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_matmul` (the qkv matmul) then `rope_store_qkv` on its output -> (q (T, H, D), new
+    residual): one kernel where `use_gemv_rope` says so, else the two ops (`matmul` as
+    norm_matmul's). Same values either way; guards as rope_store_qkv's."""
+    D = k_cache.shape[-1]
+    if use_gemv_rope(x, w, D):
+        return _triton_impl().gemv_rope_store_triton(
+            x, residual, norm_weight, float(eps), w, cos, sin, positions, k_cache, v_cache,
+            out_cache_loc, num_heads, num_kv_heads, size_limit, layer, _check_gemv_rope)
+    qkv, new_residual = norm_matmul(x, residual, norm_weight, eps, w, matmul=matmul)
+    q = rope_store_qkv(qkv.view(x.shape[0], num_heads + 2 * num_kv_heads, D), cos, sin,
+                       positions, k_cache, v_cache, out_cache_loc, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, size_limit=size_limit, layer=layer)
+    return q, new_residual

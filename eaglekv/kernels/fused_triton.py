@@ -336,9 +336,23 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s
     before waiting on the kernel before (the weights are no kernel's output), the rest after."""
     j = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
+    cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    y = _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, N_OUT, x_s0, r_s0, w_sk, w_sn,
+                   eps, j, rows, cols, out_ptr.dtype.element_ty, NORM, HAS_RESIDUAL, SILU,
+                   BLOCK_M, BLOCK_N, BLOCK_K, BY_HAND, USE_GDC)
+    tl.store(out_ptr + rows[:, None] * N_OUT + cols[None, :], y,
+             mask=(rows < M)[:, None] & (cols < N_OUT)[None, :])
+
+
+@triton.jit
+def _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, N_OUT, x_s0, r_s0, w_sk, w_sn, eps,
+               j, rows, cols, dt: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+               SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, BY_HAND: tl.constexpr, USE_GDC: tl.constexpr):
+    """`_gemv_kernel`'s product for output columns `cols` of rows `rows`, rounded to `dt`
+    (BLOCK_M, BLOCK_N); the dependents may launch once it returns (USE_GDC)."""
     rm = rows < M
     ks = tl.arange(0, BLOCK_K)
-    cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cm = cols < N_OUT
     # tile 0 of W (and of its up half): read before anything an earlier kernel writes
     km0 = ks < K
@@ -384,14 +398,12 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s
             acc2 += tl.sum(h * u[None, :, :], axis=2)
     if USE_GDC:
         gdc_launch_dependents()
-    dt = out_ptr.dtype.element_ty
     y = _round(acc, dt, BY_HAND)
     if SILU:
         g = y.to(tl.float32)
         u = _round(acc2, dt, BY_HAND).to(tl.float32)
         y = _round(g * tl.sigmoid(g) * u, dt, BY_HAND)
-    tl.store(out_ptr + rows[:, None] * N_OUT + cols[None, :], y,
-             mask=rm[:, None] & cm[None, :])
+    return y
 
 
 def gemv_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, check,
@@ -429,6 +441,118 @@ _GEMV = CachedLaunch(_gemv_kernel)
 
 
 @triton.jit(do_not_specialize=["pos_call", "slot_call"])
+def _gemv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, x_s0, r_s0, w_sk, w_sn, eps,
+                      cos_ptr, c_s0, c_s1, sin_ptr, n_s0, n_s1, pos_ptr, p_s0, loc_ptr, l_s0,
+                      q_ptr, kc_ptr, vc_ptr, err_ptr, pos_call, slot_call, num_pos, size_limit,
+                      H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                      HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BY_HAND: tl.constexpr, CHECK: tl.constexpr,
+                      USE_GDC: tl.constexpr = False):
+    """`_gemv_kernel`'s add + RMSNorm + qkv product (columns [j*BLOCK_N, (j+1)*BLOCK_N) of
+    the (H + 2Hkv) * D, rounded as the matmul's output), then `_rope_store_qkv_kernel`'s
+    epilogue on them: pair (2i, 2i+1) of a q or k head rotated by cos/sin[pos[t], i] and
+    rounded, q heads to q (T, H, D), k and v heads to row out_cache_loc[t] of the caches. The
+    same values as the two kernels, one launch less a layer. BLOCK_N is even and divides D, so
+    a program's columns are whole pairs of one head. Guards as rope_store_qkv's: a bad slot
+    writes no cache row, a bad position rotates by row 0 (q stays defined), and program 0
+    records each bad token once per kind."""
+    j = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M).to(tl.int64)
+    rm = rows < M
+    NQKV: tl.constexpr = (H + 2 * HKV) * D
+    cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    y = _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, NQKV, x_s0, r_s0, w_sk, w_sn,
+                   eps, j, rows, cols, q_ptr.dtype.element_ty, True, HAS_RESIDUAL, False,
+                   BLOCK_M, BLOCK_N, BLOCK_K, BY_HAND, USE_GDC)                # (BM, BN)
+    pos = tl.load(pos_ptr + rows * p_s0, mask=rm, other=0).to(tl.int64)        # (BM,)
+    slot = tl.load(loc_ptr + rows * l_s0, mask=rm, other=0).to(tl.int64)
+    pos_ok, slot_ok = _rope_ok(pos, slot, num_pos, size_limit, CHECK)
+    pos = tl.where(pos_ok, pos, 0)
+    x0, x1 = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))        # (BM, BN/2) each
+    c0 = j * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2).to(tl.int64)      # (BN/2,) dim 2i columns
+    head = c0 // D                    # one head for the whole program (BLOCK_N divides D)
+    i = (c0 % D) // 2
+    c = tl.load(cos_ptr + pos[:, None] * c_s0 + i[None, :] * c_s1, mask=rm[:, None], other=0.0)
+    s = tl.load(sin_ptr + pos[:, None] * n_s0 + i[None, :] * n_s1, mask=rm[:, None], other=0.0)
+    f0, f1 = x0.to(tl.float32), x1.to(tl.float32)
+    rot = (head < H + HKV)[None, :]                                      # q and k heads
+    y0 = _round(tl.where(rot, f0 * c - f1 * s, f0), x0.dtype, BY_HAND)   # v: exact copy
+    y1 = _round(tl.where(rot, f0 * s + f1 * c, f1), x0.dtype, BY_HAND)
+    is_q = (head < H)[None, :]
+    kv_col = tl.where(head < H + HKV, c0 - H * D, c0 - (H + HKV) * D)[None, :]
+    dst = tl.where(is_q, q_ptr + rows[:, None] * (H * D) + c0[None, :],
+                   tl.where(rot, kc_ptr, vc_ptr) + slot[:, None] * (HKV * D) + kv_col)
+    ok = rm[:, None] & (is_q | (slot_ok & pos_ok)[:, None])               # (BM, BN/2)
+    tl.store(dst, y0, mask=ok)
+    tl.store(dst + 1, y1, mask=ok)
+    if CHECK:
+        first = rm & (rows * 0 + j == 0)          # a full vector (the interpreter's masks)
+        one = tl.full([BLOCK_M], 1, tl.int64)
+        zero = tl.zeros([BLOCK_M], tl.int64)
+        tl.atomic_add(err_ptr + zero, one, mask=first & ~pos_ok, sem="relaxed")
+        tl.atomic_min(err_ptr + 1 + zero, (pos_call.to(tl.int64) << 32) + rows,
+                      mask=first & ~pos_ok, sem="relaxed")
+        tl.atomic_add(err_ptr + zero, one, mask=first & ~slot_ok, sem="relaxed")
+        tl.atomic_min(err_ptr + 1 + zero, (slot_call.to(tl.int64) << 32) + rows,
+                      mask=first & ~slot_ok, sem="relaxed")
+
+
+def gemv_rope_store_triton(x, residual, norm_weight, eps: float, w, cos, sin, positions,
+                           k_cache, v_cache, out_cache_loc, num_heads: int, num_kv_heads: int,
+                           size_limit: int, layer: int | None, check):
+    """`gemv_triton` (norm prologue) and `rope_store_qkv_triton` in one launch -> (q (M, H, D),
+    new residual). `check(...)`: fused._check_gemv_rope's arguments, on a new signature only."""
+    M, K = x.shape
+    D = k_cache.shape[-1]
+    bn = GEMV_CONFIG["block_n"]
+    bk = gemv_block_k(M, K)
+    nw = GEMV_CONFIG["num_warps"]
+    use_pdl = pdl.enabled(x.device)
+    key = (_sig(x), residual is None, residual is not None and _sig(residual), _sig(norm_weight),
+           _sig(w), _sig(cos), _sig(sin), _sig(positions), _sig(out_cache_loc), _sig(k_cache),
+           _sig(v_cache), num_heads, num_kv_heads, size_limit, FLAGS.checks, bn, bk, nw,
+           use_pdl)
+    hit = _GEMV_ROPE.lookup(key)
+    if hit is None:
+        check(x, residual, norm_weight, w, cos, sin, positions, k_cache, v_cache, out_cache_loc,
+              num_heads, num_kv_heads, size_limit, bn)
+    q = torch.empty((M, num_heads, D), dtype=x.dtype, device=x.device)
+    new_res = x if residual is None else torch.empty_like(x)
+    if M == 0:
+        return q, new_res
+    guard, pos_call, slot_call = _rope_guard_calls(x.device, cos, positions, out_cache_loc,
+                                                   size_limit, layer, "gemv_rope_store")
+    r = x if residual is None else residual
+    n_out = (num_heads + 2 * num_kv_heads) * D
+    args = (x, r, norm_weight, w, new_res, M, K, x.stride(0), r.stride(0), w.stride(0),
+            w.stride(1), eps, cos, cos.stride(0), cos.stride(1), sin, sin.stride(0),
+            sin.stride(1), positions, positions.stride(0), out_cache_loc,
+            out_cache_loc.stride(0), q, k_cache, v_cache, guard.err, pos_call, slot_call,
+            cos.shape[0], size_limit, num_heads, num_kv_heads, D, residual is not None,
+            _pow2(M), bn, bk, not x.is_cuda, FLAGS.checks, use_pdl)
+    _GEMV_ROPE.launch(hit, key, (-(-n_out // bn), 1), args, x.get_device(), num_warps=nw,
+                      num_stages=2, **pdl.launch_options(use_pdl))
+    guard.after_launch()
+    return q, new_res
+
+
+_GEMV_ROPE = CachedLaunch(_gemv_rope_kernel)
+
+
+@triton.jit
+def _rope_ok(pos, slot, num_pos, size_limit, CHECK: tl.constexpr):
+    """(position inside the cos/sin rows, slot inside [0, size_limit)); both true where
+    CHECK is off (measurement only: guard.unchecked)."""
+    if CHECK:
+        pos_ok = (pos >= 0) & (pos < num_pos)
+        slot_ok = (slot >= 0) & (slot < size_limit)
+    else:
+        pos_ok = pos == pos
+        slot_ok = slot == slot
+    return pos_ok, slot_ok
+
+
+@triton.jit(do_not_specialize=["pos_call", "slot_call"])
 def _rope_store_qkv_kernel(qkv_ptr, s0, s1, s2, cos_ptr, c_s0, c_s1, sin_ptr, n_s0, n_s1,
                            pos_ptr, p_s0, loc_ptr, l_s0, q_ptr, kc_ptr, vc_ptr, err_ptr,
                            pos_call, slot_call, num_pos, size_limit, H: tl.constexpr,
@@ -451,12 +575,7 @@ def _rope_store_qkv_kernel(qkv_ptr, s0, s1, s2, cos_ptr, c_s0, c_s1, sin_ptr, n_
         gdc_wait()
     pos = tl.load(pos_ptr + t * p_s0).to(tl.int64)
     slot = tl.load(loc_ptr + t * l_s0).to(tl.int64)
-    if CHECK:
-        pos_ok = (pos >= 0) & (pos < num_pos)
-        slot_ok = (slot >= 0) & (slot < size_limit)
-    else:                             # measurement only (guard.unchecked)
-        pos_ok = pos == pos
-        slot_ok = slot == slot
+    pos_ok, slot_ok = _rope_ok(pos, slot, num_pos, size_limit, CHECK)
     if ASSERT:
         tl.device_assert(pos_ok & slot_ok, "rope_store_qkv: position or slot out of range")
     pos = tl.where(pos_ok, pos, 0)    # a bad position reads row 0: q stays defined
@@ -499,6 +618,19 @@ def _rope_store_qkv_kernel(qkv_ptr, s0, s1, s2, cos_ptr, c_s0, c_s1, sin_ptr, n_
             tl.atomic_min(err_ptr + 1, (slot_call.to(tl.int64) << 32) + t, sem="relaxed")
 
 
+def _rope_guard_calls(device, cos, positions, out_cache_loc, size_limit: int,
+                      layer: int | None, op: str):
+    """The guard of `device` and the call ids of a rope + K/V store launch: its positions
+    (against the cos/sin rows) and its slots (against size_limit)."""
+    guard = kv_guard(device)
+    pos_call = guard.register("rope_store_qkv positions", cos.shape[0], positions, layer,
+                              dense=True)
+    slot_call = guard.register("store_cache", size_limit, out_cache_loc, layer, dense=True)
+    if slot_call > MAX_CALL_ID:
+        raise RuntimeError(f"{op}: {slot_call} guarded calls in one step without a check")
+    return guard, pos_call, slot_call
+
+
 def rope_store_qkv_triton(qkv, cos, sin, positions, k_cache, v_cache, out_cache_loc,
                           num_heads: int, num_kv_heads: int, size_limit: int,
                           layer: int | None, check):
@@ -515,13 +647,8 @@ def rope_store_qkv_triton(qkv, cos, sin, positions, k_cache, v_cache, out_cache_
     q = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
     if T == 0:
         return q
-    guard = kv_guard(qkv.device)
-    pos_call = guard.register("rope_store_qkv positions", cos.shape[0], positions, layer,
-                              dense=True)
-    slot_call = guard.register("store_cache", size_limit, out_cache_loc, layer, dense=True)
-    if slot_call > MAX_CALL_ID:
-        raise RuntimeError(f"rope_store_qkv: {slot_call} guarded calls in one step without a "
-                           f"check")
+    guard, pos_call, slot_call = _rope_guard_calls(qkv.device, cos, positions, out_cache_loc,
+                                                   size_limit, layer, "rope_store_qkv")
     pb = _pow2(D // 2)
     nh = num_heads + 2 * num_kv_heads
     # heads a program: at most ROPE_TILE elements, and at least ROPE_MIN_PROGRAMS programs

@@ -113,8 +113,14 @@ class DecoderLayer:
         what `backend.rope_inputs` gave for this forward -> (output, residual)."""
         cfg = self.cfg
         T, H, Hkv, D = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if self.input_norm is not None and self.qkv_bias is None and self.q_norm is None:
+            # add + RMSNorm + QKV matmul: one kernel on a decode-sized batch (fused.py), RoPE
+            # and the K/V store after it (on the Triton backend optionally in its epilogue)
+            attn, residual = backend.forward_norm_qkv(
+                x, residual, self.input_norm, cfg.rms_norm_eps, self.qkv, rope, layer_id, meta,
+                D ** -0.5, H, Hkv, matmul=linear)
+            return self._mlp(attn, residual, T)
         if self.input_norm is not None and self.qkv_bias is None:
-            # add + RMSNorm + QKV matmul: one kernel on a decode-sized batch (fused.py)
             qkv, residual = norm_matmul(x, residual, self.input_norm, cfg.rms_norm_eps,
                                         self.qkv, matmul=linear)
         else:
@@ -132,8 +138,13 @@ class DecoderLayer:
                              qkv[:, H + Hkv:]], 1)
         # RoPE on q and k, K/V into the cache, attention: (T, H, D)
         attn = backend.forward_qkv(qkv, rope, layer_id, meta, D ** -0.5, H, Hkv)
+        return self._mlp(attn, residual, T)
+
+    def _mlp(self, attn, residual, T: int):
+        """The o projection, then add + RMSNorm + gate/up matmul + SiLU*mul (one kernel on a
+        decode-sized batch) and the down projection -> (output, residual)."""
+        cfg = self.cfg
         x = linear(attn.reshape(T, cfg.q_size), self.o)
-        # add + RMSNorm + gate/up matmul + SiLU*mul: one kernel on a decode-sized batch
         act, residual = norm_matmul(x, residual, self.post_norm, cfg.rms_norm_eps, self.gate_up,
                                     silu_mul=True, matmul=linear)
         return linear(act, self.down), residual

@@ -345,6 +345,21 @@ def test_xs1_modes_capture_the_unsplit_extend(monkeypatch):
     assert xpdl == [("eagle_chain_S5K1N6_gemv8_gt1k_xpdl", True, 1024),
                     ("eagle_chain_S5K1N6", False, 0)]
     assert at.EXTEND_PDL is False
+    grope = []                      # the qkv gemv's RoPE epilogue, while the engine is built
+    monkeypatch.setattr(gpu, "_make_engine", lambda args, mode, b: grope.append(
+        (mode, fused.FUSE_GEMV_ROPE, at.EXTEND_PDL, fused.GEMV_MAX_ROWS)))
+    monkeypatch.setattr(fused, "FUSE_GEMV_ROPE", False)
+    for mode in ("plain_grope", "eagle_chain_S5K1N6_gemv8_gt1k_xpdl_grope", "plain"):
+        assert mode in gpu.MODES
+        gpu.make_engine(None, mode, 1)
+    assert grope == [("plain_grope", True, False, 4),
+                     ("eagle_chain_S5K1N6_gemv8_gt1k_xpdl_grope", True, True, 8),
+                     ("plain", False, False, 4)]
+    assert fused.FUSE_GEMV_ROPE is False
+    result = {"modes": {"plain": row(1000, 4000), "plain_grope": row(1100, 3600)}}
+    gpu.chained_vs_1step(result)
+    assert {B: round(r["tokens_per_s"], 9) for B, r in
+            result["rope_in_gemv_vs_separate"]["plain"].items()} == {1: 1.1, 4: 0.9}
 
 
 def test_jit_loads_names_kernels_first_launched_in_a_timed_run():

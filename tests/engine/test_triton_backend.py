@@ -81,6 +81,35 @@ def _attention_calls(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("kind", ["plain", "chain"])
+def test_qkv_rope_in_one_kernel_equals_torch(tiny_dir, reference, monkeypatch, kind):
+    """With the qkv gemv carrying RoPE and the K/V store (`EAGLEKV_GEMV_ROPE=1`), every
+    decode-sized forward of the target (a decode of 3 requests; a verify of one request's 4
+    tokens) runs it, and greedy output equals the torch backend's, plain and speculative."""
+    from eaglekv.kernels import fused, fused_triton
+    monkeypatch.setattr(fused, "FUSE_GEMV", True)            # the CPU interpreter too
+    monkeypatch.setattr(fused, "FUSE_GEMV_ROPE", True)
+    launches = []
+    real = fused_triton.gemv_rope_store_triton
+    monkeypatch.setattr(fused_triton, "gemv_rope_store_triton",
+                        lambda x, *a: launches.append(x.shape[0]) or real(x, *a))
+    opts = dict(device=DEV, max_running_requests=4 if kind == "plain" else 1,
+                attention_backend="triton")
+    if kind == "chain":
+        opts["speculative"] = spec("eagle", 3, 1, 4)
+    engine = tiny_engine(tiny_dir, **opts)
+    for layer in engine.model.layers:           # nn.Linear's layout, as a CUDA build makes
+        layer.qkv = fused.column_major(layer.qkv)
+    n = len(PROMPTS) if kind == "plain" else 1            # the chain: one request, verifies of 4
+    outs = [o.token_ids for o in engine.generate(PROMPTS[:n], SP)]
+    assert outs == reference[:n]
+    engine.check_memory()
+    assert engine.allocator.is_full()
+    assert launches and max(launches) <= fused.GEMV_MAX_ROWS
+    if not ON_GPU:       # eager steps (on a GPU the graphs' buckets, captured at start-up)
+        assert ({3} if kind == "plain" else {4}) <= set(launches)
+
+
 def test_layer_checks_read_req_to_token_in_every_layer(tiny_dir, reference, monkeypatch):
     """Inside `layer_checks()` (measurement: the way before the once-a-forward check) every
     target layer checks req_to_token itself; the same tokens."""

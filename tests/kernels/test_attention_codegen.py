@@ -125,6 +125,12 @@ for norm, silu in ((True, False), (True, True), (False, False)):
     out["launch_pdl_in_metadata"] = bool(getattr(meta, "launch_pdl", False))
 cx = dict(H=9, HKV=3, D=64, HB=16, PB=32, ASSERT=False, BY_HAND=False, CHECK=True, USE_GDC=True)
 out["rope_gdc"] = gdc(ptx_of(ft._rope_store_qkv_kernel, ptrs, cx)[0])
+for M in (1, 4):       # the qkv gemv with the rope epilogue (fused.FUSE_GEMV_ROPE)
+    cx = dict(H=9, HKV=3, D=64, HAS_RESIDUAL=True, BLOCK_M=M, BLOCK_N=4, BLOCK_K=1024,
+              BY_HAND=False, CHECK=True, USE_GDC=True)
+    out[f"gemv_rope_gdc_{M}"] = gdc(ptx_of(ft._gemv_rope_kernel, dict(
+        gemv_ptrs, cos_ptr="*fp32", sin_ptr="*fp32", q_ptr="*bf16", kc_ptr="*bf16",
+        vc_ptr="*bf16"), cx, num_stages=2, launch_pdl=True)[0])
 out["decode_gdc"] = gdc(ptx_of(at._decode_kernel, PTRS, dict(DEC, CHECK=0, USE_GDC=True),
                                num_stages=3)[0])
 out["merge_gdc"] = gdc(ptx_of(at._merge_kernel, PTRS, dict(H=9, D=64, DP=64, SPLITS=16, SP=16,
@@ -207,10 +213,12 @@ def test_the_fused_decode_merge_takes_its_ticket_with_release_and_acquire(async_
     assert async_copies["decode_fused_ticket"] and async_copies["decode_fused_reads_l2"]
 
 
-@pytest.mark.parametrize("kernel", ["gemv_gdc_10", "gemv_gdc_11", "gemv_gdc_00"])
+@pytest.mark.parametrize("kernel", ["gemv_gdc_10", "gemv_gdc_11", "gemv_gdc_00",
+                                    "gemv_rope_gdc_1", "gemv_rope_gdc_4"])
 def test_the_gemv_kernel_prefetches_its_weights_before_the_pdl_wait(async_copies, kernel):
-    """Under PDL (kernels/pdl.py) the matrix-vector kernel loads its first weight tile (no
-    kernel's output) before `griddepcontrol.wait`, reads the activations after it, and lets
+    """Under PDL (kernels/pdl.py) the matrix-vector kernel (also with the RoPE + K/V store
+    epilogue, 1 and 4 rows) loads its first weight tile (no kernel's output) before
+    `griddepcontrol.wait`, reads the activations after it, and lets
     the next kernel launch; the launch option reaches the compiled kernel's metadata."""
     assert async_copies[kernel] == {"wait": True, "trigger": True, "load_before_wait": True}
     assert async_copies["launch_pdl_in_metadata"]
