@@ -128,8 +128,9 @@ MODES = {"plain": None,
          "eagle3_chain_S5K1N6_nopdl": dict(algorithm="eagle3", num_steps=5, topk=1,
                                            num_draft_tokens=6),
          # the qkv gemv with RoPE + the K/V store as its epilogue (fused.FUSE_GEMV_ROPE, off
-         # by default until measured): one kernel a layer fewer in every decode-sized forward
-         # (the plain decode, S5's draft steps and, with gemv8, its verify)
+         # by default until measured): one kernel a layer fewer in the target's decode-sized
+         # forwards (the plain decode and, with gemv8, S5's verify; the shipped drafts' layer
+         # has no input norm, so their steps keep the two kernels)
          "plain_grope": None,
          "eagle_chain_S5K1N6_grope": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "eagle_chain_S5K1N6_gemv8_gt1k_xpdl_grope": dict(num_steps=5, topk=1,
