@@ -40,7 +40,8 @@ def resources(block_m: int, block_n: int, block_k: int, silu: bool, num_warps: i
     fn = ft._gemv_rope_kernel if rope else ft._gemv_kernel
     cx = dict(HAS_RESIDUAL=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
               BY_HAND=False, USE_GDC=True)
-    cx.update(dict(H=9, HKV=3, D=64, CHECK=True) if rope else dict(NORM=True, SILU=silu))
+    cx.update(dict(H=9, HKV=3, D=64, CHECK=True, ASSERT=False) if rope
+              else dict(NORM=True, SILU=silu))
     fp32 = ("cos_ptr", "sin_ptr")
     sig = {n: ("*fp32" if n in fp32 else "*i64" if n in ("pos_ptr", "loc_ptr", "err_ptr")
                else "*bf16") if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"

@@ -447,7 +447,7 @@ def _gemv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, x_s0, r_s0, w_
                       H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                       HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, BY_HAND: tl.constexpr, CHECK: tl.constexpr,
-                      USE_GDC: tl.constexpr = False):
+                      ASSERT: tl.constexpr, USE_GDC: tl.constexpr = False):
     """`_gemv_kernel`'s add + RMSNorm + qkv product (columns [j*BLOCK_N, (j+1)*BLOCK_N) of
     the (H + 2Hkv) * D, rounded as the matmul's output), then `_rope_store_qkv_kernel`'s
     epilogue on them: pair (2i, 2i+1) of a q or k head rotated by cos/sin[pos[t], i] and
@@ -467,6 +467,8 @@ def _gemv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, x_s0, r_s0, w_
     pos = tl.load(pos_ptr + rows * p_s0, mask=rm, other=0).to(tl.int64)        # (BM,)
     slot = tl.load(loc_ptr + rows * l_s0, mask=rm, other=0).to(tl.int64)
     pos_ok, slot_ok = _rope_ok(pos, slot, num_pos, size_limit, CHECK)
+    if ASSERT:                        # EAGLEKV_DEVICE_ASSERT=1, as rope_store_qkv
+        tl.device_assert(pos_ok & slot_ok | ~rm, "gemv_rope_store: position or slot out of range")
     pos = tl.where(pos_ok, pos, 0)
     x0, x1 = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))        # (BM, BN/2) each
     c0 = j * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2).to(tl.int64)      # (BN/2,) dim 2i columns
@@ -510,8 +512,8 @@ def gemv_rope_store_triton(x, residual, norm_weight, eps: float, w, cos, sin, po
     use_pdl = pdl.enabled(x.device)
     key = (_sig(x), residual is None, residual is not None and _sig(residual), _sig(norm_weight),
            _sig(w), _sig(cos), _sig(sin), _sig(positions), _sig(out_cache_loc), _sig(k_cache),
-           _sig(v_cache), num_heads, num_kv_heads, size_limit, FLAGS.checks, bn, bk, nw,
-           use_pdl)
+           _sig(v_cache), num_heads, num_kv_heads, size_limit, FLAGS.checks,
+           FLAGS.device_assert, bn, bk, nw, use_pdl)
     hit = _GEMV_ROPE.lookup(key)
     if hit is None:
         check(x, residual, norm_weight, w, cos, sin, positions, k_cache, v_cache, out_cache_loc,
@@ -529,9 +531,10 @@ def gemv_rope_store_triton(x, residual, norm_weight, eps: float, w, cos, sin, po
             sin.stride(1), positions, positions.stride(0), out_cache_loc,
             out_cache_loc.stride(0), q, k_cache, v_cache, guard.err, pos_call, slot_call,
             cos.shape[0], size_limit, num_heads, num_kv_heads, D, residual is not None,
-            _pow2(M), bn, bk, not x.is_cuda, FLAGS.checks, use_pdl)
+            _pow2(M), bn, bk, not x.is_cuda, FLAGS.checks, FLAGS.device_assert, use_pdl)
+    # tl.device_assert is compiled in only with debug=True
     _GEMV_ROPE.launch(hit, key, (-(-n_out // bn), 1), args, x.get_device(), num_warps=nw,
-                      num_stages=2, **pdl.launch_options(use_pdl))
+                      num_stages=2, debug=FLAGS.device_assert, **pdl.launch_options(use_pdl))
     guard.after_launch()
     return q, new_res
 

@@ -206,3 +206,37 @@ def test_bad_arguments_name_the_value():
     with pytest.raises(ValueError, match=r"positions has shape"):
         fused.norm_matmul_rope_store(**dict(a, positions=torch.zeros(2, dtype=torch.long,
                                                                      device=DEV)))
+
+
+_BAD_FUSED_STORE = """
+import sys
+sys.path.insert(0, "tests/kernels")
+import torch
+from test_gemv_rope import case, run
+from eaglekv.kernels import fused
+fused.FUSE_GEMV, fused.FUSE_GEMV_ROPE = True, True
+a = case(2, 4, 2, 16, torch.bfloat16, torch.int64)
+a["out_cache_loc"] = torch.tensor([1, 41], device="cuda")
+run(fused.norm_matmul_rope_store, a)
+torch.cuda.synchronize()
+print("NO ASSERT")
+"""
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter ignores tl.device_assert")
+@pytest.mark.parametrize("assert_on", [True, False])
+def test_device_assert_switch(assert_on):
+    """EAGLEKV_DEVICE_ASSERT=1: a bad slot is a hard device assert in the fused kernel too;
+    without it, the same launch raises KVIndexError."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "EAGLEKV_DEVICE_ASSERT": "1" if assert_on else "0",
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-c", _BAD_FUSED_STORE], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "NO ASSERT" not in r.stdout
+    if assert_on:
+        assert "device-side assert" in r.stderr or "Assertion" in r.stderr, r.stderr[-2000:]
+    else:
+        assert f"KVIndexError: slot 41 out of range [0, {LIMIT})" in r.stderr, r.stderr[-2000:]
