@@ -135,12 +135,22 @@ MODES = {"plain": None,
          "eagle_chain_S5K1N6_grope": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "eagle_chain_S5K1N6_gemv8_gt1k_xpdl_grope": dict(num_steps=5, topk=1,
                                                           num_draft_tokens=6),
-         "adaptive_grope": dict(adaptive=True)}
+         "adaptive_grope": dict(adaptive=True),
+         # the decode attention's split-K capped (attention.MAX_SPLITS 1 or 4; shipped 16): a
+         # graph captures the split count of the context limit (16 at batch 1), so a batch-1
+         # decode of a few hundred keys runs 48 programs of one key block each and the merge
+         # kernel after them; with one split the kernel writes the output itself (no merge
+         # launch) at the cost of a longer key loop per program
+         "plain_sp1": None,
+         "plain_sp4": None,
+         "plain_grope_sp1": None,
+         "eagle_chain_S5K1N6_sp1": dict(num_steps=5, topk=1, num_draft_tokens=6)}
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
-            "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope")
+            "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
+            "_sp4")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -148,7 +158,9 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "pdl": ("eaglekv.kernels.pdl", "PDL", True),
                    "nopdl": ("eaglekv.kernels.pdl", "PDL", False),
                    "xpdl": ("eaglekv.kernels.attention_triton", "EXTEND_PDL", True),
-                   "grope": ("eaglekv.kernels.fused", "FUSE_GEMV_ROPE", True)}
+                   "grope": ("eaglekv.kernels.fused", "FUSE_GEMV_ROPE", True),
+                   "sp1": ("eaglekv.kernels.attention", "MAX_SPLITS", 1),
+                   "sp4": ("eaglekv.kernels.attention", "MAX_SPLITS", 4)}
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees")
 
 
@@ -922,7 +934,9 @@ def chained_vs_1step(result: dict) -> None:
                               ("prefill_graph_vs_eager", "_pg", True),
                               ("tile_cap_vs_none", "_gt1k", True),
                               ("extend_pdl_vs_none", "_xpdl", True),
-                              ("rope_in_gemv_vs_separate", "_grope", True)):
+                              ("rope_in_gemv_vs_separate", "_grope", True),
+                              ("decode_one_split_vs_shipped", "_sp1", True),
+                              ("decode_four_splits_vs_shipped", "_sp4", True)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}
         if pairs:

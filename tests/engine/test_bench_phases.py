@@ -360,6 +360,20 @@ def test_xs1_modes_capture_the_unsplit_extend(monkeypatch):
     gpu.chained_vs_1step(result)
     assert {B: round(r["tokens_per_s"], 9) for B, r in
             result["rope_in_gemv_vs_separate"]["plain"].items()} == {1: 1.1, 4: 0.9}
+    from eaglekv.kernels import attention
+    splits = []                     # the decode's split-K cap, while the engine is built
+    monkeypatch.setattr(gpu, "_make_engine", lambda args, mode, b: splits.append(
+        (mode, attention.MAX_SPLITS, fused.FUSE_GEMV_ROPE,
+         attention.default_num_splits(1, 3, 4096))))
+    for mode in ("plain_sp1", "plain_sp4", "plain_grope_sp1", "plain"):
+        assert mode in gpu.MODES
+        gpu.make_engine(None, mode, 1)
+    assert splits == [("plain_sp1", 1, False, 1), ("plain_sp4", 4, False, 4),
+                      ("plain_grope_sp1", 1, True, 1), ("plain", 16, False, 16)]
+    result = {"modes": {"plain": row(1000, 4000), "plain_sp1": row(1200, 3000)}}
+    gpu.chained_vs_1step(result)
+    assert {B: round(r["tokens_per_s"], 9) for B, r in
+            result["decode_one_split_vs_shipped"]["plain"].items()} == {1: 1.2, 4: 0.75}
 
 
 def test_jit_loads_names_kernels_first_launched_in_a_timed_run():
