@@ -79,6 +79,9 @@ class DraftTree:
     # (B, N, V) float32: row i is the draft distribution node i's token was *sampled* from
     # (topk == 1 sampling); None when the candidates are deterministic (top-k picks)
     draft_probs: torch.Tensor | None = None
+    # a chain (topk == 1, `tree.chain_tree`): parent(i) = i - 1, so acceptance compares each
+    # node with its parent's argmax in one pass (`accept.greedy_accept`) instead of a walk
+    chain: bool = False
 
     @property
     def num_nodes(self) -> int:

@@ -30,7 +30,7 @@ from eaglekv.speculative.drafter import Drafter, RootRow, stack_roots
 from eaglekv.speculative.draft_loop import (DraftLoop, exponential_noise, processed_probs,
                                             uniform_noise)
 from eaglekv.speculative.slots import DraftSlots
-from eaglekv.speculative.tree import build_tree, organize
+from eaglekv.speculative.tree import verify_tree
 
 
 def spec_chain_steps(decode_steps: int, num_steps: int) -> int:
@@ -209,8 +209,7 @@ class EagleWorker:
         root = torch.tensor([r.output_ids[-1] for r in reqs], device=dev)         # (B,)
         pool = self.loop.run(reqs, root_logits, root_hidden, seq_lens, d.slots,
                              d.decode_meta, contexts_of, d.reorder_kv)
-        tree = build_tree(root, pool.tokens, pool.parents, organize(pool.scores, N),
-                          pool.probs)
+        tree = verify_tree(root, pool, N, chain=self.K == 1)
         self.slots.release_draft(d)
         t1 = time.perf_counter()
         # 2. verify: N tree nodes per request at positions L_b + depth, under the tree mask

@@ -22,7 +22,7 @@ from eaglekv.kernels.guard import guard_indices, guard_path
 from eaglekv.speculative.accept import greedy_accept
 from eaglekv.speculative.drafter import DraftOut, stack_roots
 from eaglekv.speculative.slots import DraftBatch
-from eaglekv.speculative.tree import build_tree, organize
+from eaglekv.speculative.tree import verify_tree
 
 
 class SpecStepGraphs(CapturedForwards):
@@ -91,7 +91,7 @@ class SpecStepGraphs(CapturedForwards):
         d = DraftBatch(w.slots, dslots, [])
         pool = w.loop.run(None, self.root_logits[:b], self.root_hidden[:b], L, dslots,
                           d.decode_meta, None, d.reorder_kv, live=live)
-        tree = build_tree(root, pool.tokens, pool.parents, organize(pool.scores, N), None)
+        tree = verify_tree(root, pool, N, chain=w.K == 1)
         # 2. verify: N nodes per request at L + depth under the tree mask
         w.slots.write_verify_table(rows, L, vslots)
         meta = TritonAttnMetadata(kv_start=rows * self.backend.width,

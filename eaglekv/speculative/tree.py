@@ -150,7 +150,29 @@ def chain_tree(root_tokens: torch.Tensor, draft_tokens: torch.Tensor,
     if draft_probs is not None:
         probs = torch.cat([draft_probs.new_zeros(B, 1, draft_probs.shape[-1]), draft_probs], 1)
     return DraftTree(tokens=tokens, parent=parent, depth=depth, mask=mask,
-                     first_child=first_child, next_sibling=next_sibling, draft_probs=probs)
+                     first_child=first_child, next_sibling=next_sibling, draft_probs=probs,
+                     chain=True)
+
+
+def verify_tree(root_tokens: torch.Tensor, pool, num_draft_tokens: int,
+                chain: bool) -> DraftTree:
+    """The verify tree of a draft loop's candidate pool (`draft_loop.CandidatePool`).
+
+    chain (topk == 1): the pool is root -> c_0 -> ... -> c_{S-1} with non-increasing
+    cumulative scores (a greedy chain's are all 0), so `organize` would select its first
+    N - 1 candidates (ties to the lower pool index) and `build_tree` would give exactly
+    `chain_tree` of them (tested): that is built directly, ~12 tensor ops where organize's two
+    sorts, the pointer-doubling mask and the sibling links were ~45, each a kernel of the
+    step's CUDA graph (`bench/spec_step_ops.py`). The chain's tree is then also accepted in one
+    pass (`accept.greedy_accept`). A NaN score cannot reorder a chain here: its tree is always
+    a prefix (the verify decides what is kept, so either tree is lossless). Otherwise, and
+    where N - 1 exceeds the pool (a ConfigError from organize): organize + build_tree."""
+    n1 = num_draft_tokens - 1
+    if chain and 0 <= n1 <= pool.tokens.shape[1]:
+        probs = None if pool.probs is None else pool.probs[:, :n1]
+        return chain_tree(root_tokens, pool.tokens[:, :n1], probs)
+    return build_tree(root_tokens, pool.tokens, pool.parents,
+                      organize(pool.scores, num_draft_tokens), pool.probs)
 
 
 def check_tree(tree: DraftTree) -> None:

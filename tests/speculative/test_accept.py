@@ -5,6 +5,7 @@ statistical test."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -155,6 +156,33 @@ def test_greedy_committed_tokens_on_a_chain():
     assert res.committed_tokens(tree).tolist() == [[1, 2, 9, -1]]
     full = greedy_accept(tree, torch.tensor([[1, 2, 3, 4]]), 3)
     assert full.committed_tokens(tree).tolist() == [[1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_on_a_chain_in_one_pass_equals_the_walk(device, seed):
+    """A chain tree (`chain_tree`, tree.chain) is accepted by `_greedy_accept_chain`: equal to
+    the general walk (and to the naive reference) at every accepted depth, including
+    num_steps beyond the chain (S > N - 1) and below it."""
+    g = torch.Generator().manual_seed(seed)
+    B, V = 24, 5
+    for n1 in (1, 3, 5):
+        tree = chain_tree(torch.randint(0, V, (B,), generator=g).to(device),
+                          torch.randint(0, V, (B, n1), generator=g).to(device))
+        assert tree.chain
+        walk = dataclasses.replace(tree, chain=False)
+        argmax = torch.randint(0, V, (B, n1 + 1), generator=g)
+        for b in range(B):                    # row b matches its first b % (n1 + 2) nodes
+            k = min(b % (n1 + 2), n1)
+            argmax[b, :k] = tree.tokens[b, 1:k + 1].cpu()
+        argmax = argmax.to(device)
+        for S in sorted({max(1, n1 - 1), n1, n1 + 2}):
+            fast, ref = greedy_accept(tree, argmax, S), greedy_accept(walk, argmax, S)
+            assert as_rows(fast) == as_rows(ref) == naive_greedy(tree, argmax, S), (n1, S)
+            assert fast.path.dtype == ref.path.dtype == torch.int64
+            assert torch.equal(fast.committed_tokens(tree), ref.committed_tokens(walk))
+        assert sorted(set(greedy_accept(tree, argmax, n1).accept_len.tolist())) == list(
+            range(n1 + 1))                    # every depth was reached
 
 
 # ---------------------------------------------------------------- sampling, exact

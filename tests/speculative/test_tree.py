@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from eaglekv.errors import ConfigError
-from eaglekv.speculative.tree import TreeError, build_tree, chain_tree, check_tree, organize
+from eaglekv.speculative.draft_loop import CandidatePool
+from eaglekv.speculative.tree import (TreeError, build_tree, chain_tree, check_tree, organize,
+                                    verify_tree)
 from helpers import random_pool
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -136,6 +138,37 @@ def test_chain_tree_equals_build_tree_for_k1(device, S):
     assert torch.equal(b.draft_probs[:, 0], torch.zeros(B, Vq, device=device))
     assert torch.equal(b.draft_probs[:, 1:], q)
     check_tree(b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sampled", [False, True])
+def test_verify_tree_builds_a_chain_directly_and_equals_organize(device, sampled):
+    """`verify_tree(chain=True)` of a topk == 1 pool (greedy: scores all 0, as DraftLoop
+    gives; sampled: falling cumulative log-probs) is the tree organize + build_tree select,
+    for every N up to S + 1, marked as a chain; other pools, or N - 1 beyond the pool, take
+    organize + build_tree (a ConfigError for the latter)."""
+    g = torch.Generator().manual_seed(7)
+    B, S, Vq = 3, 5, 11
+    roots = torch.randint(0, Vq, (B,), generator=g).to(device)
+    toks = torch.randint(0, Vq, (B, S), generator=g).to(device)
+    parents = (torch.arange(S, device=device) - 1).expand(B, S)
+    if sampled:
+        scores = (-torch.rand(B, S, generator=g)).cumsum(1).to(device)
+        probs = torch.rand(B, S, Vq, generator=g).to(device)
+    else:
+        scores, probs = torch.zeros(B, S, device=device), None
+    pool = CandidatePool(tokens=toks, scores=scores, parents=parents, probs=probs)
+    for N in range(2, S + 2):
+        fast = verify_tree(roots, pool, N, chain=True)
+        ref = build_tree(roots, toks, parents, organize(scores, N), cand_probs=probs)
+        assert fast.chain and not ref.chain
+        for name in ("tokens", "parent", "depth", "mask", "first_child", "next_sibling",
+                     "draft_probs"):
+            a, b = getattr(fast, name), getattr(ref, name)
+            assert (a is None and b is None) or torch.equal(a, b), (N, name)
+    assert not verify_tree(roots, pool, 4, chain=False).chain
+    with pytest.raises(ConfigError, match="N - 1 = 6"):
+        verify_tree(roots, pool, S + 2, chain=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
