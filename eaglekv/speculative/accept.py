@@ -42,6 +42,13 @@ def greedy_accept(tree: DraftTree, target_argmax: torch.Tensor, num_steps: int) 
     """
     if tree.chain:
         return _greedy_accept_chain(tree, target_argmax, num_steps)
+    return _greedy_accept_tree(tree, target_argmax, num_steps)
+
+
+def _greedy_accept_walk(tree: DraftTree, target_argmax: torch.Tensor,
+                        num_steps: int) -> VerifyResult:
+    """`greedy_accept` as the walk of its definition, ~12 tensor ops a depth: the reference
+    of the one-pass forms below (tests)."""
     B, N = tree.tokens.shape
     dev = tree.tokens.device
     path = _new_path(B, num_steps, dev)
@@ -57,6 +64,36 @@ def greedy_accept(tree: DraftTree, target_argmax: torch.Tensor, num_steps: int) 
         path[:, d + 1] = torch.where(alive, cur, -1)
     accept_len = (path[:, 1:] >= 0).sum(-1)                                            # (B,)
     bonus = target_argmax.gather(1, cur[:, None]).squeeze(1)                           # (B,)
+    return VerifyResult(accept_len=accept_len, path=path, bonus=bonus)
+
+
+def _greedy_accept_tree(tree: DraftTree, target_argmax: torch.Tensor,
+                        num_steps: int) -> VerifyResult:
+    """`greedy_accept` of any tree in one pass, no loop over depth. Node i (not the root) is
+    a candidate iff token(i) == argmax(parent(i)); the walk moves to the lowest-index
+    candidate child, so node i is taken iff it is a candidate with no lower-index candidate
+    sibling ("first"), and it is on the path iff it and each of its ancestors but the root is
+    first and its depth is at most num_steps: one pass over the (B, N, N) ancestor mask. The
+    path holds one node a depth (a node's siblings share its depth), so path[:, d] is the sum
+    over on-path nodes of depth d of their index. ~20 tensor ops whatever the depth, where the
+    walk took ~12 a depth (each a kernel of the step's CUDA graph)."""
+    B, N = tree.tokens.shape
+    dev = tree.tokens.device
+    idx = torch.arange(N, device=dev)
+    up = tree.parent.clamp(min=0)                                                      # (B, N)
+    cand = (tree.tokens == target_argmax.gather(1, up)) & (tree.parent >= 0)         # (B, N)
+    # earlier[b, i, j]: j < i is a candidate sibling of i
+    earlier = (tree.parent[:, :, None] == tree.parent[:, None, :]) & cand[:, None, :] \
+        & (idx[None, :] < idx[:, None])[None]                                          # (B, N, N)
+    first = (cand & ~earlier.any(-1) & (tree.depth <= num_steps)) | (idx == 0)[None]  # (B, N)
+    on = ~(tree.mask & ~first[:, None, :]).any(-1)                                     # (B, N)
+    accept_len = on.sum(-1) - 1                                                        # (B,)
+    d = torch.arange(num_steps + 1, device=dev)                                        # (S+1,)
+    at = on[:, :, None] & (tree.depth[:, :, None] == d[None, None, :])                 # (B, N, S+1)
+    node = (at * idx[None, :, None]).sum(1)                                            # (B, S+1)
+    path = torch.where(d[None, :] <= accept_len[:, None], node, -1)                    # (B, S+1)
+    last = path.gather(1, accept_len[:, None])                                         # (B, 1)
+    bonus = target_argmax.gather(1, last).squeeze(1)                                   # (B,)
     return VerifyResult(accept_len=accept_len, path=path, bonus=bonus)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from eaglekv.core import VerifyResult
 from eaglekv.kernels.guard import kv_guard
-from eaglekv.speculative.accept import greedy_accept, sample_accept
+from eaglekv.speculative.accept import _greedy_accept_walk, greedy_accept, sample_accept
 from eaglekv.speculative.tree import build_tree, chain_tree, organize
 from helpers import random_pool      # the candidate-pool generator of the tree tests
 
@@ -143,9 +143,10 @@ def test_greedy_equals_naive_walk(device, seed):
                     argmax[b, cur] = rng.choice(free)
         argmax = argmax.to(device)
         for S in {max_depth(tree), max(1, max_depth(tree) - 1)}:
-            res = greedy_accept(tree, argmax, S)
-            assert res.path.shape == (B, S + 1)
+            res = greedy_accept(tree, argmax, S)          # one pass (_greedy_accept_tree)
+            assert res.path.shape == (B, S + 1) and res.path.dtype == torch.int64
             assert as_rows(res) == naive_greedy(tree, argmax, S)
+            assert as_rows(_greedy_accept_walk(tree, argmax, S)) == as_rows(res)
 
 
 def test_greedy_committed_tokens_on_a_chain():
@@ -162,7 +163,7 @@ def test_greedy_committed_tokens_on_a_chain():
 @pytest.mark.parametrize("seed", range(3))
 def test_greedy_on_a_chain_in_one_pass_equals_the_walk(device, seed):
     """A chain tree (`chain_tree`, tree.chain) is accepted by `_greedy_accept_chain`: equal to
-    the general walk (and to the naive reference) at every accepted depth, including
+    the tree's one-pass form, the walk and the naive reference at every accepted depth, including
     num_steps beyond the chain (S > N - 1) and below it."""
     g = torch.Generator().manual_seed(seed)
     B, V = 24, 5
@@ -179,6 +180,7 @@ def test_greedy_on_a_chain_in_one_pass_equals_the_walk(device, seed):
         for S in sorted({max(1, n1 - 1), n1, n1 + 2}):
             fast, ref = greedy_accept(tree, argmax, S), greedy_accept(walk, argmax, S)
             assert as_rows(fast) == as_rows(ref) == naive_greedy(tree, argmax, S), (n1, S)
+            assert as_rows(_greedy_accept_walk(walk, argmax, S)) == as_rows(fast)
             assert fast.path.dtype == ref.path.dtype == torch.int64
             assert torch.equal(fast.committed_tokens(tree), ref.committed_tokens(walk))
         assert sorted(set(greedy_accept(tree, argmax, n1).accept_len.tolist())) == list(
