@@ -144,13 +144,17 @@ MODES = {"plain": None,
          "plain_sp1": None,
          "plain_sp4": None,
          "plain_grope_sp1": None,
-         "eagle_chain_S5K1N6_sp1": dict(num_steps=5, topk=1, num_draft_tokens=6)}
+         "eagle_chain_S5K1N6_sp1": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         # the greedy pick with one program a row (greedy_triton.SPLIT_MAX_ROWS 0), the way
+         # before 2026-12-06: one program scanned a row's 49152 logits (10.7 us at batch 1)
+         "plain_gp1": None,
+         "eagle_chain_S5K1N6_gp1": dict(num_steps=5, topk=1, num_draft_tokens=6)}
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
-            "_sp4")
+            "_sp4", "_gp1")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -160,7 +164,8 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "xpdl": ("eaglekv.kernels.attention_triton", "EXTEND_PDL", True),
                    "grope": ("eaglekv.kernels.fused", "FUSE_GEMV_ROPE", True),
                    "sp1": ("eaglekv.kernels.attention", "MAX_SPLITS", 1),
-                   "sp4": ("eaglekv.kernels.attention", "MAX_SPLITS", 4)}
+                   "sp4": ("eaglekv.kernels.attention", "MAX_SPLITS", 4),
+                   "gp1": ("eaglekv.kernels.greedy_triton", "SPLIT_MAX_ROWS", 0)}
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees")
 
 
@@ -936,7 +941,8 @@ def chained_vs_1step(result: dict) -> None:
                               ("extend_pdl_vs_none", "_xpdl", True),
                               ("rope_in_gemv_vs_separate", "_grope", True),
                               ("decode_one_split_vs_shipped", "_sp1", True),
-                              ("decode_four_splits_vs_shipped", "_sp4", True)):
+                              ("decode_four_splits_vs_shipped", "_sp4", True),
+                              ("greedy_pick_split_vs_one_program", "_gp1", False)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}
         if pairs:

@@ -7,7 +7,8 @@ argmax is well defined, `(R, 2)` int64 `[token, valid]`.
 A token whose row is not valid is meaningless (its request fails alone). What a CUDA graph of
 a decode or speculative step ends with: on the H200 the torch ops for it were 8 kernels and
 ~30 us a token at batch 1 (argmax 13 us, two boolean reductions 15 us, compares, a stack and
-a cast; 2026-12-05 profile), one Triton launch here (`greedy_triton`). CPU tensors take the
+a cast; 2026-12-05 profile), one Triton launch here (`greedy_triton`; for a few rows two: a
+row split over programs, then their partials reduced). CPU tensors take the
 torch reference below, which is also the kernel's test oracle.
 """
 

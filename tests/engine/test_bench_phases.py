@@ -374,6 +374,17 @@ def test_xs1_modes_capture_the_unsplit_extend(monkeypatch):
     gpu.chained_vs_1step(result)
     assert {B: round(r["tokens_per_s"], 9) for B, r in
             result["decode_one_split_vs_shipped"]["plain"].items()} == {1: 1.2, 4: 0.75}
+    from eaglekv.kernels import greedy_triton
+    picks = []                      # the greedy pick's split, while the engine is built
+    monkeypatch.setattr(gpu, "_make_engine", lambda args, mode, b: picks.append(
+        (mode, greedy_triton.split_count(1, 49152))))
+    for mode in ("plain_gp1", "eagle_chain_S5K1N6_gp1", "plain"):
+        gpu.make_engine(None, mode, 1)
+    assert picks == [("plain_gp1", 1), ("eagle_chain_S5K1N6_gp1", 1), ("plain", 24)]
+    result = {"modes": {"plain": row(1000, 4000), "plain_gp1": row(800, 4000)}}
+    gpu.chained_vs_1step(result)
+    assert {B: round(r["tokens_per_s"], 9) for B, r in
+            result["greedy_pick_split_vs_one_program"]["plain"].items()} == {1: 1.25, 4: 1.0}
 
 
 def test_jit_loads_names_kernels_first_launched_in_a_timed_run():

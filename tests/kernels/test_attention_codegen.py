@@ -84,6 +84,20 @@ src = ASTSource(fn, {"x_ptr": "*bf16", "out_ptr": "*i64", "V": "i32", "s0": "i32
                      "BLOCK": "constexpr"}, constexprs={(fn.arg_names.index("BLOCK"),): gt.BLOCK})
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 out["greedy_pick_ptx"] = len(k.asm["ptx"])
+fn = gt._greedy_part_kernel
+cx = dict(P=24, BLOCK=gt.SPLIT_BLOCK)
+sig = {"x_ptr": "*bf16", "pm_ptr": "*fp32", "pi_ptr": "*i32", "V": "i32", "s0": "i32",
+       "chunk": "i32", **{c: "constexpr" for c in cx}}
+src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v for c, v in cx.items()})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+out["greedy_part_ptx"] = len(k.asm["ptx"])
+fn = gt._greedy_reduce_kernel
+cx = dict(P=24, PP=32)
+sig = {"pm_ptr": "*fp32", "pi_ptr": "*i32", "out_ptr": "*i64", "V": "i32",
+       **{c: "constexpr" for c in cx}}
+src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v for c, v in cx.items()})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+out["greedy_reduce_ptx"] = len(k.asm["ptx"])
 from eaglekv.kernels import fused_triton as ft
 fn = ft._rope_store_qkv_kernel
 ptrs = {"qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "pos_ptr": "*i64",
@@ -166,7 +180,9 @@ def test_the_once_a_forward_check_compiles_for_sm90(async_copies, has_pre):
 
 
 def test_the_greedy_pick_compiles_for_sm90(async_copies):
+    """One program a row, and the split row's partials and their reduce."""
     assert async_copies["greedy_pick_ptx"] > 1000
+    assert async_copies["greedy_part_ptx"] > 1000 and async_copies["greedy_reduce_ptx"] > 500
 
 
 @pytest.mark.parametrize("check", [0, 1])
