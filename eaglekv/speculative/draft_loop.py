@@ -71,13 +71,14 @@ class DraftLoop:
         `organize` breaks ties to the lower pool index, so constant scores select the same
         nodes), and the log-softmax and max that computed them were 23 us of each draft step
         on an H100 at batch 1 (2026-12-05), 7% of an S5 step. Its token is the argmax of the
-        logits (`greedy_pick`: one Triton launch on CUDA)."""
+        logits (`greedy_pick`: one Triton launch on CUDA). Its log-probs are None: `run` makes
+        the pool's zero scores once, not a zeros op a step (each a kernel of the step graph)."""
         if not sample_chain and self.K == 1:
             if use_triton(logits):      # CUDA (and the Triton interpreter in tests)
                 tok = greedy_pick(logits.contiguous())[:, :1]                  # (n, 1)
             else:
                 tok = logits.argmax(-1, keepdim=True)
-            return tok, torch.zeros(tok.shape, dtype=torch.float32, device=tok.device), None
+            return tok, None, None
         logp = torch.log_softmax(logits.float(), -1)                       # (n, V)
         if not sample_chain:       # topk is a 4-5 kernel radix select on CUDA
             lp, tok = logp.topk(self.K, -1)
@@ -103,20 +104,26 @@ class DraftLoop:
         B = root_logits.shape[0]
         dev = root_logits.device
         sample_chain = reqs is not None and K == 1 and any(not r.params.greedy for r in reqs)
+        # a greedy chain's scores are 0 and its parents i - 1 (see `_choose`): made once at
+        # the end, none of the per-step score and parent ops
+        greedy_chain = K == 1 and not sample_chain
         tok, score, q = self._choose(root_logits, reqs, sample_chain)     # (B, K) each
         pool_tok, pool_score = [tok], [score]
-        pool_parent = [torch.full((B, K), -1, dtype=torch.int64, device=dev)]
+        pool_parent = [None if greedy_chain else
+                       torch.full((B, K), -1, dtype=torch.int64, device=dev)]
         pool_q = [q[:, None]] if sample_chain else None                    # (B, 1, V)
-        branch_pool = torch.arange(K, device=dev).expand(B, K)             # (B, K) pool index
+        branch_pool = (None if greedy_chain else                           # (B, K) pool index
+                       torch.arange(K, device=dev).expand(B, K))
         hidden = None if root_hidden is None else root_hidden[:, None].expand(B, K, -1)
         paths = tok[:, :, None]                                            # (B, K, 1)
         lens_host = None if reqs is None else [r.kv_len for r in reqs]
-        kv_base = seq_lens if live is None else seq_lens * live             # (B,)
+        # the keys of draft forward i - 1: kv_len = (seq_lens + i) * live, one add a step
+        kv_len = seq_lens if live is None else seq_lens * live              # (B,)
         for i in range(1, S):
             step = i - 1                  # draft forward `step` sees it = i draft tokens
             kv_lens = None if reqs is None else tuple(lb + i for lb in lens_host
                                                       for _ in range(K))
-            kv_len = kv_base + i if live is None else kv_base + i * live   # (B,)
+            kv_len = kv_len + (1 if live is None else live)                 # (B,)
             meta = decode_meta(step, kv_lens, kv_len if K == 1 else kv_len.repeat_interleave(K))
             positions = (seq_lens + (i - 1) if K == 1 else                 # (B*K,)
                          (seq_lens + i - 1)[:, None].expand(B, K).reshape(-1))
@@ -126,18 +133,23 @@ class DraftLoop:
                                       meta, ctx)
             branch_reqs = None if reqs is None else [r for r in reqs for _ in range(K)]
             c_tok, c_lp, c_q = self._choose(out.logits, branch_reqs, sample_chain)  # (B*K, K)
-            c_tok, c_lp = c_tok.view(B, K, K), c_lp.view(B, K, K)
-            cum = score[:, :, None] + c_lp                                 # (B, K, K)
-            base = K + (i - 1) * K * K
+            c_tok = c_tok.view(B, K, K)
             pool_tok.append(c_tok.reshape(B, K * K))
-            pool_score.append(cum.reshape(B, K * K))
-            pool_parent.append(branch_pool[:, :, None].expand(B, K, K).reshape(B, K * K))
+            if greedy_chain:
+                cum = None
+            else:
+                cum = score[:, :, None] + c_lp.view(B, K, K)               # (B, K, K)
+                pool_score.append(cum.reshape(B, K * K))
+                pool_parent.append(branch_pool[:, :, None].expand(B, K, K).reshape(B, K * K))
+            base = K + (i - 1) * K * K
             if sample_chain:
                 pool_q.append(c_q.view(B, 1, -1))
             if i == S - 1:
                 break
             if K == 1:    # a chain: the one child is the next branch (no select, no gather)
-                score, tok, branch_pool = cum.view(B, 1), c_tok.view(B, 1), branch_pool + 1
+                tok = c_tok.view(B, 1)
+                if not greedy_chain:
+                    score, branch_pool = cum.view(B, 1), branch_pool + 1
                 if out.hidden is not None:
                     hidden = out.hidden.view(B, 1, -1)
                 if ctx is not None:
@@ -156,6 +168,13 @@ class DraftLoop:
                 reorder_kv(slots[:, :, :i], src)                           # (B, K, i) each
             paths = torch.cat([paths.gather(1, parent_branch[:, :, None].expand(B, K, i)),
                                tok[:, :, None]], 2)                        # (B, K, i + 1)
-        return CandidatePool(tokens=torch.cat(pool_tok, 1), scores=torch.cat(pool_score, 1),
+        tokens = torch.cat(pool_tok, 1)                                    # (B, M)
+        if greedy_chain:
+            M = tokens.shape[1]
+            return CandidatePool(tokens=tokens,
+                                 scores=torch.zeros(B, M, dtype=torch.float32, device=dev),
+                                 parents=(torch.arange(M, device=dev) - 1).expand(B, M),
+                                 probs=None)
+        return CandidatePool(tokens=tokens, scores=torch.cat(pool_score, 1),
                              parents=torch.cat(pool_parent, 1),
                              probs=torch.cat(pool_q, 1) if sample_chain else None)
