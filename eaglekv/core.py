@@ -74,18 +74,51 @@ class DraftTree:
     parent: torch.Tensor        # (B, N) int64 parent node index, -1 at the root
     depth: torch.Tensor         # (B, N) int64, 0 at the root; position of node i = L_b + depth
     mask: torch.Tensor          # (B, N, N) bool: mask[b, i, j] = node j is node i or its ancestor
-    first_child: torch.Tensor   # (B, N) int64 lowest-index child, -1 for a leaf
-    next_sibling: torch.Tensor  # (B, N) int64 next child of the same parent, -1 for the last
     # (B, N, V) float32: row i is the draft distribution node i's token was *sampled* from
     # (topk == 1 sampling); None when the candidates are deterministic (top-k picks)
     draft_probs: torch.Tensor | None = None
     # a chain (topk == 1, `tree.chain_tree`): parent(i) = i - 1, so acceptance compares each
     # node with its parent's argmax in one pass (`accept.greedy_accept`) instead of a walk
     chain: bool = False
+    # (first_child, next_sibling), or None: made from `parent` on first use. Greedy
+    # acceptance never reads them, so a captured greedy step records none of their ~12 ops.
+    links: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
+
+    @property
+    def first_child(self) -> torch.Tensor:
+        """(B, N) int64 lowest-index child, -1 for a leaf."""
+        return self._links()[0]
+
+    @property
+    def next_sibling(self) -> torch.Tensor:
+        """(B, N) int64 next child of the same parent, -1 for the last."""
+        return self._links()[1]
+
+    def _links(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.links is None:
+            self.links = tree_links(self.parent)
+        return self.links
+
+
+def tree_links(parent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, N) parent node indices -> first_child, next_sibling (B, N), -1 where none.
+
+    first_child[p]  = min{ i : parent[i] = p }
+    next_sibling[i] = min{ j > i : parent[j] = parent[i] }   (only for parent[i] >= 0)
+    """
+    B, N = parent.shape
+    idx = torch.arange(N, device=parent.device)
+    none = torch.full((), N, dtype=torch.int64, device=parent.device)
+    is_child = parent[:, None, :] == idx[None, :, None]                                # (B, N, N)
+    first = torch.where(is_child, idx[None, None, :], none).amin(-1)                  # (B, N)
+    sib = (parent[:, None, :] == parent[:, :, None]) & (idx[None, :] > idx[:, None])[None]
+    sib &= (parent >= 0)[:, :, None]                                                   # (B, N, N)
+    nxt = torch.where(sib, idx[None, None, :], none).amin(-1)                         # (B, N)
+    return first.masked_fill(first == N, -1), nxt.masked_fill(nxt == N, -1)
 
 
 @dataclass

@@ -46,25 +46,6 @@ def organize(cand_scores: torch.Tensor, num_draft_tokens: int) -> torch.Tensor:
     return torch.sort(order[:, :N - 1], dim=-1).values                              # (B, N-1)
 
 
-def _links(parent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, N) parent node indices -> first_child, next_sibling (B, N), -1 where none.
-
-    first_child[p]  = min{ i : parent[i] = p }
-    next_sibling[i] = min{ j > i : parent[j] = parent[i] }   (only for parent[i] >= 0)
-    """
-    B, N = parent.shape
-    idx = torch.arange(N, device=parent.device)
-    none = torch.full((), N, dtype=torch.int64, device=parent.device)
-    # is_child[b, p, i] = parent[b, i] == p
-    is_child = parent[:, None, :] == idx[None, :, None]                                # (B, N, N)
-    first = torch.where(is_child, idx[None, None, :], none).amin(-1)                  # (B, N)
-    # sib[b, i, j] = parent[b, j] == parent[b, i] and j > i and parent[b, i] >= 0
-    sib = (parent[:, None, :] == parent[:, :, None]) & (idx[None, :] > idx[:, None])[None]
-    sib &= (parent >= 0)[:, :, None]                                                   # (B, N, N)
-    nxt = torch.where(sib, idx[None, None, :], none).amin(-1)                         # (B, N)
-    return first.masked_fill(first == N, -1), nxt.masked_fill(nxt == N, -1)
-
-
 def _ancestor_mask(parent: torch.Tensor) -> torch.Tensor:
     """(B, N) parent node indices -> (B, N, N) bool, mask[b, i, j] = j is i or an ancestor of i.
 
@@ -119,15 +100,13 @@ def build_tree(root_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_parent
 
     mask = _ancestor_mask(parent)                                                      # (B, N, N)
     depth = mask.sum(-1) - 1                      # depth(i) = |ancestors(i)| ; (B, N) int64
-    first_child, next_sibling = _links(parent)
     draft_probs = None
     if cand_probs is not None:
         V = cand_probs.shape[-1]
         rows = cand_probs.gather(1, selected[:, :, None].expand(B, N1, V))            # (B, N-1, V)
         draft_probs = torch.cat([rows.new_zeros(B, 1, V), rows], 1)                    # (B, N, V)
     return DraftTree(tokens=tokens, parent=parent, depth=depth, mask=mask,
-                     first_child=first_child, next_sibling=next_sibling,
-                     draft_probs=draft_probs)
+                     draft_probs=draft_probs)      # first_child, next_sibling: on first use
 
 
 def chain_tree(root_tokens: torch.Tensor, draft_tokens: torch.Tensor,
@@ -149,9 +128,8 @@ def chain_tree(root_tokens: torch.Tensor, draft_tokens: torch.Tensor,
     probs = None
     if draft_probs is not None:
         probs = torch.cat([draft_probs.new_zeros(B, 1, draft_probs.shape[-1]), draft_probs], 1)
-    return DraftTree(tokens=tokens, parent=parent, depth=depth, mask=mask,
-                     first_child=first_child, next_sibling=next_sibling, draft_probs=probs,
-                     chain=True)
+    return DraftTree(tokens=tokens, parent=parent, depth=depth, mask=mask, draft_probs=probs,
+                     chain=True, links=(first_child, next_sibling))
 
 
 def verify_tree(root_tokens: torch.Tensor, pool, num_draft_tokens: int,
