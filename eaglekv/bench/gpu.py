@@ -596,17 +596,27 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
     graphs = DecodeGraphs(model, backend, 1, context + steps + 8, progress=False)
     fused_s, step_s, fused_s2 = (decode_step_s(with_fused), decode_step_s(graphs),
                                  decode_step_s(with_fused))
-    default, fused.FUSE_GEMV_ROPE = fused.FUSE_GEMV_ROPE, not fused.FUSE_GEMV_ROPE
-    try:       # the other setting of the qkv gemv's RoPE epilogue (off by default)
-        other = DecodeGraphs(model, backend, 1, context + steps + 8, progress=False)
-        rope = {"on" if fused.FUSE_GEMV_ROPE else "off": [decode_step_s(other),
-                                                          decode_step_s(other)]}
-        rope["on" if default else "off"] = [step_s, decode_step_s(graphs)]
-    except Exception as e:                              # noqa: BLE001 - costs this field only
-        rope = {"error": repr(e)}
-    finally:
-        fused.FUSE_GEMV_ROPE = default
-    other = None
+    # one-step replays of the unshipped settings (two each): the qkv gemv's RoPE epilogue, the
+    # decode attention in one split (no merge launch), both
+    from eaglekv.kernels import attention as attn_mod
+    variants = {"shipped": [step_s, decode_step_s(graphs)]}
+    for name, sets in (("grope", [(fused, "FUSE_GEMV_ROPE", True)]),
+                       ("sp1", [(attn_mod, "MAX_SPLITS", 1)]),
+                       ("grope_sp1", [(fused, "FUSE_GEMV_ROPE", True),
+                                     (attn_mod, "MAX_SPLITS", 1)])):
+        was = [(m, a, getattr(m, a)) for m, a, _ in sets]
+        try:
+            for m, a, v in sets:
+                setattr(m, a, v)
+            other = DecodeGraphs(model, backend, 1, context + steps + 8, progress=False)
+            variants[name] = [decode_step_s(other), decode_step_s(other)]
+        except Exception as e:                          # noqa: BLE001 - costs this field only
+            variants[name] = {"error": repr(e)}
+        finally:
+            for m, a, v in was:
+                setattr(m, a, v)
+            other = None
+    rope = {"off": variants["shipped"], "on": variants["grope"]}
     chain_k = min(DEFAULT_SCHEDULER_STEPS, 8)      # 6 chains inside the KV pool's steps
     try:     # new here (2026-12-05 evening, not yet run on a GPU): its failure costs the row
         chained_s = chained_step_s(graphs, chain_k)    # nothing else
@@ -658,7 +668,13 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
            "gemv_rope_decode_ms": {k: [1e3 * t for t in v] if isinstance(v, list) else v
                                    for k, v in rope.items()},
            "gemv_rope_fraction_of_roofline": {k: roofline_s / min(v) for k, v in rope.items()
-                                              if isinstance(v, list)}}
+                                              if isinstance(v, list)},
+           # the same for every variant (shipped, grope, sp1, grope_sp1)
+           "variant_decode_ms": {k: [1e3 * t for t in v] if isinstance(v, list) else v
+                                 for k, v in variants.items()},
+           "variant_fraction_of_roofline": {k: roofline_s / min(v)
+                                            for k, v in variants.items()
+                                            if isinstance(v, list)}}
     del graphs, model, pool, backend
     torch.cuda.empty_cache()
     return out
