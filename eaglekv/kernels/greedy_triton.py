@@ -3,7 +3,8 @@ lane keeping its running max (fp32), the first index reaching it and the validit
 reduced across the lanes at the end; writes `[token, valid]`. Reference:
 `greedy.greedy_pick_torch`.
 
-Few rows (a batch-1 decode, a verify, a draft step: R <= SPLIT_MAX_ROWS) split each row over
+Few rows (a decode, a verify or a draft step of a small batch: R <= SPLIT_MAX_ROWS, e.g. a
+batch-16 verify of 6 nodes, 96 rows) split each row over
 up to MAX_SPLITS programs of CHUNK logits, whose partials [max, first index, flags] a second
 launch of R programs reduces (the max of the maxima, the lowest index reaching it, the flags
 or-ed). One program scanning SmolLM2's 49152 logits took 10.7 us a token at batch 1 on an
@@ -25,7 +26,8 @@ BLOCK = 4096                 # logits a lane block of the one-program-a-row kern
 CHUNK = 2048                 # logits a program of the split kernel
 SPLIT_BLOCK = 1024
 MAX_SPLITS = 32
-SPLIT_MAX_ROWS = 64          # rows above this: one program a row
+SPLIT_MAX_ROWS = 128         # rows above this: one program a row (then ~1 program an SM or
+                             # more: the scan is bandwidth-bound either way)
 
 
 @triton.jit
