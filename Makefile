@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/eaglekv generate "$(PROMPT)" --chat --max-new-tokens 96 --spec eagle --draft default
+	$(BIN)/eaglekv generate "$(PROMPT)" --chat --max-new-tokens 96 --spec eagle3 --draft default
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra tests
