@@ -22,7 +22,7 @@ from eaglekv.kernels.guard import guard_indices, guard_path
 from eaglekv.speculative.accept import greedy_accept
 from eaglekv.speculative.drafter import DraftOut, stack_roots
 from eaglekv.speculative.slots import DraftBatch
-from eaglekv.speculative.tree import verify_tree
+from eaglekv.speculative.tree import chain_shape, verify_tree
 
 
 class SpecStepGraphs(CapturedForwards):
@@ -69,6 +69,8 @@ class SpecStepGraphs(CapturedForwards):
         self.lens_sum = 0
         self.chain = None         # run_chain's buffers, made on its first use
         self.chains = 0           # chains run (each of 2+ replays)
+        # a chain's tree but its tokens, made once before the capture (`tree.chain_shape`)
+        self.tree_shape = chain_shape(n, N, dev) if K == 1 else None
         self.capture_all(progress)
 
     def _views(self, b: int, x) -> list:
@@ -91,7 +93,7 @@ class SpecStepGraphs(CapturedForwards):
         d = DraftBatch(w.slots, dslots, [])
         pool = w.loop.run(None, self.root_logits[:b], self.root_hidden[:b], L, dslots,
                           d.decode_meta, None, d.reorder_kv, live=live)
-        tree = verify_tree(root, pool, N, chain=w.K == 1)
+        tree = verify_tree(root, pool, N, chain=w.K == 1, shape=self.tree_shape)
         # 2. verify: N nodes per request at L + depth under the tree mask
         w.slots.write_verify_table(rows, L, vslots)
         meta = TritonAttnMetadata(kv_start=rows * self.backend.width,

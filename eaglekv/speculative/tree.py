@@ -109,22 +109,38 @@ def build_tree(root_tokens: torch.Tensor, cand_tokens: torch.Tensor, cand_parent
                      draft_probs=draft_probs)      # first_child, next_sibling: on first use
 
 
+def chain_shape(rows: int, num_nodes: int, device) -> dict[str, torch.Tensor]:
+    """The parts of a chain tree that do not depend on its tokens, for `rows` requests of
+    `num_nodes` nodes: parent(i) = i - 1, depth(i) = i, the lower-triangular mask, first child
+    i + 1 (-1 at the leaf), no siblings. A CUDA graph of the step makes them once, before its
+    capture, and the captured tree takes views of them (`chain_tree(shape=...)`): the replay
+    then records one op for the tree, the tokens' cat."""
+    N, S = num_nodes, num_nodes - 1
+    idx = torch.arange(N, device=device)
+    return {"parent": (idx - 1).expand(rows, N).clone(),
+            "depth": idx.expand(rows, N).clone(),
+            "mask": (idx[None, :] <= idx[:, None]).expand(rows, N, N).clone(),
+            "first_child": torch.where(idx < S, idx + 1, -1).expand(rows, N).clone(),
+            "next_sibling": torch.full((rows, N), -1, dtype=torch.int64, device=device)}
+
+
 def chain_tree(root_tokens: torch.Tensor, draft_tokens: torch.Tensor,
-               draft_probs: torch.Tensor | None = None) -> DraftTree:
+               draft_probs: torch.Tensor | None = None,
+               shape: dict[str, torch.Tensor] | None = None) -> DraftTree:
     """topk == 1: a chain root -> d_0 -> ... -> d_{S-1}, N = S + 1 nodes.
 
     root_tokens (B,), draft_tokens (B, S), draft_probs (B, S, V) optional: row s is the q the
     s-th draft token was sampled from. parent(i) = i - 1, depth(i) = i, mask lower-triangular.
+    shape: a `chain_shape` of at least B rows and N nodes (its first B rows are used, never
+    written), else made here.
     """
     B, S = draft_tokens.shape
-    N, dev = S + 1, draft_tokens.device
-    idx = torch.arange(N, device=dev)
+    N = S + 1
     tokens = torch.cat([root_tokens[:, None], draft_tokens], 1)                        # (B, N)
-    parent = (idx - 1).expand(B, N).clone()                                            # (B, N)
-    depth = idx.expand(B, N).clone()                                                   # (B, N)
-    mask = (idx[None, :] <= idx[:, None]).expand(B, N, N).clone()                      # (B, N, N)
-    first_child = torch.where(idx < S, idx + 1, -1).expand(B, N).clone()               # (B, N)
-    next_sibling = torch.full((B, N), -1, dtype=torch.int64, device=dev)
+    if shape is None or shape["depth"].shape[1] != N or shape["depth"].shape[0] < B:
+        shape = chain_shape(B, N, draft_tokens.device)
+    parent, depth, mask, first_child, next_sibling = (
+        shape[k][:B] for k in ("parent", "depth", "mask", "first_child", "next_sibling"))
     probs = None
     if draft_probs is not None:
         probs = torch.cat([draft_probs.new_zeros(B, 1, draft_probs.shape[-1]), draft_probs], 1)
@@ -133,7 +149,7 @@ def chain_tree(root_tokens: torch.Tensor, draft_tokens: torch.Tensor,
 
 
 def verify_tree(root_tokens: torch.Tensor, pool, num_draft_tokens: int,
-                chain: bool) -> DraftTree:
+                chain: bool, shape: dict[str, torch.Tensor] | None = None) -> DraftTree:
     """The verify tree of a draft loop's candidate pool (`draft_loop.CandidatePool`).
 
     chain (topk == 1): the pool is root -> c_0 -> ... -> c_{S-1} with non-increasing
@@ -144,11 +160,12 @@ def verify_tree(root_tokens: torch.Tensor, pool, num_draft_tokens: int,
     step's CUDA graph (`bench/spec_step_ops.py`). The chain's tree is then also accepted in one
     pass (`accept.greedy_accept`). A NaN score cannot reorder a chain here: its tree is always
     a prefix (the verify decides what is kept, so either tree is lossless). Otherwise, and
-    where N - 1 exceeds the pool (a ConfigError from organize): organize + build_tree."""
+    where N - 1 exceeds the pool (a ConfigError from organize): organize + build_tree.
+    shape: `chain_shape` (a step graph's, made before its capture) for a chain."""
     n1 = num_draft_tokens - 1
     if chain and 0 <= n1 <= pool.tokens.shape[1]:
         probs = None if pool.probs is None else pool.probs[:, :n1]
-        return chain_tree(root_tokens, pool.tokens[:, :n1], probs)
+        return chain_tree(root_tokens, pool.tokens[:, :n1], probs, shape)
     return build_tree(root_tokens, pool.tokens, pool.parents,
                       organize(pool.scores, num_draft_tokens), pool.probs)
 

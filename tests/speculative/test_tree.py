@@ -10,8 +10,8 @@ import torch
 
 from eaglekv.errors import ConfigError
 from eaglekv.speculative.draft_loop import CandidatePool
-from eaglekv.speculative.tree import (TreeError, build_tree, chain_tree, check_tree, organize,
-                                    verify_tree)
+from eaglekv.speculative.tree import (TreeError, build_tree, chain_shape, chain_tree, check_tree,
+                                    organize, verify_tree)
 from helpers import random_pool
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -166,6 +166,12 @@ def test_verify_tree_builds_a_chain_directly_and_equals_organize(device, sampled
                      "draft_probs"):
             a, b = getattr(fast, name), getattr(ref, name)
             assert (a is None and b is None) or torch.equal(a, b), (N, name)
+        shape = chain_shape(B + 2, N, device)          # a step graph's, more rows than B
+        kept = {k: v.clone() for k, v in shape.items()}
+        held = verify_tree(roots, pool, N, chain=True, shape=shape)
+        for name in ("tokens", "parent", "depth", "mask", "first_child", "next_sibling"):
+            assert torch.equal(getattr(held, name), getattr(fast, name)), (N, name)
+        assert all(torch.equal(shape[k], kept[k]) for k in kept)
     assert not verify_tree(roots, pool, 4, chain=False).chain
     with pytest.raises(ConfigError, match="N - 1 = 6"):
         verify_tree(roots, pool, S + 2, chain=True)
