@@ -60,20 +60,20 @@ case "${1:-bench}" in
       BATCHES=${BATCHES:-1,2,4,16,64} LLAMA8B=${LLAMA8B:-" "} FLOOR=${FLOOR:-0} "$0" bench
     ;;
   next)
-    # the run planned on 2026-12-06 (first half, 15 modes): the features built since the last
+    # the run planned on 2026-12-06 (first half, 14 modes): the features built since the last
     # GPU run, each against the shipped engine in one process: the qkv gemv's RoPE epilogue
-    # (grope), the decode's split-K capped (sp1, sp4: no merge launch at one split), the greedy
-    # pick's row in one program (gp1: the way before its split), the gemv's
-    # tile cap (with S5's verify in the kernel: gemv8_gt1k), the extend attention under PDL
-    # (xpdl), adaptive (its batch-1 plain horizon), and the 8B row (RoPE epilogue off / on)
-    MODES=${MODES:-plain,plain_gp1,plain_grope,plain_sp1,plain_sp4,plain_grope_sp1,plain_gt1k,eagle_chain_S5K1N6,eagle_chain_S5K1N6_grope,eagle_chain_S5K1N6_sp1,eagle_chain_S5K1N6_gemv8_gt1k,eagle_chain_S5K1N6_gemv8_gt1k_xpdl,eagle_chain_S5K1N6_gemv8_gt1k_xpdl_grope,adaptive,adaptive_grope} \
+    # (grope), the decode in one attention split (sp1: no merge launch), the greedy pick's row
+    # in one program (gp1: the way before its split), the prefill graphs (pg), the extend
+    # attention under PDL with S5's verify in the gemv kernel (gemv8_gt1k_xpdl), all of them
+    # at once, adaptive (its batch-1 plain horizon), and the 8B row (grope, sp1, both)
+    MODES=${MODES:-plain,plain_gp1,plain_grope,plain_sp1,plain_pg,plain_grope_sp1_pg,eagle_chain_S5K1N6,eagle_chain_S5K1N6_grope,eagle_chain_S5K1N6_sp1,eagle_chain_S5K1N6_pg,eagle_chain_S5K1N6_gemv8_gt1k_xpdl,eagle_chain_S5K1N6_gemv8_gt1k_xpdl_grope_pg,adaptive,adaptive_grope_pg} \
       FLOOR=${FLOOR:-0} "$0" bench
     ;;
   next2)
-    # second half (15 modes): the prefill graphs (pg), PDL against none, the checks (end to
-    # end and the checked / unchecked replays), the other fixed shapes adaptive is compared
-    # with, EAGLE-3; no 8B row
-    MODES=${MODES:-plain,plain_pg,eagle_chain_S5K1N6_pg,eagle_chain_S5K1N6_gp1,adaptive_pg,plain_nopdl,plain_unchecked,eagle_chain_S5K1N6,eagle_chain_S5K1N6_nopdl,eagle_chain_S5K1N6_unchecked,eagle_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_tree_S6K4N16,adaptive,adaptive_eagle3_trees} \
+    # second half (16 modes): sp4, gt1k, gp1 and pg for S5 and adaptive, PDL against none,
+    # the checks (end to end and the checked / unchecked replays), the other fixed shapes
+    # adaptive is compared with, EAGLE-3; no 8B row
+    MODES=${MODES:-plain,plain_sp4,plain_gt1k,eagle_chain_S5K1N6_gemv8_gt1k,eagle_chain_S5K1N6_gp1,adaptive_pg,plain_nopdl,plain_unchecked,eagle_chain_S5K1N6,eagle_chain_S5K1N6_nopdl,eagle_chain_S5K1N6_unchecked,eagle_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_tree_S6K4N16,adaptive,adaptive_eagle3_trees} \
       CHECKS_REPLAY=${CHECKS_REPLAY-1} LLAMA8B=${LLAMA8B:-" "} FLOOR=${FLOOR:-0} "$0" bench
     ;;
   tests)

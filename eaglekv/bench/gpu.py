@@ -148,7 +148,12 @@ MODES = {"plain": None,
          # the greedy pick with one program a row (greedy_triton.SPLIT_MAX_ROWS 0), the way
          # before 2026-12-06: one program scanned a row's 49152 logits (10.7 us at batch 1)
          "plain_gp1": None,
-         "eagle_chain_S5K1N6_gp1": dict(num_steps=5, topk=1, num_draft_tokens=6)}
+         "eagle_chain_S5K1N6_gp1": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         # everything built and not yet measured at once (a candidate default)
+         "plain_grope_sp1_pg": None,
+         "eagle_chain_S5K1N6_gemv8_gt1k_xpdl_grope_pg": dict(num_steps=5, topk=1,
+                                                             num_draft_tokens=6),
+         "adaptive_grope_pg": dict(adaptive=True)}
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
