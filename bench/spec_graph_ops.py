@@ -12,7 +12,8 @@ the guards) are counted apart, by kernel name. Ops, not time: on an H100 a kerne
 captured step costs ~1.2-1.5 us (bench/results/gpu_bench_h100_20261205d_default_pdl.json,
 S5's step profile). Two commits compare without a GPU.
 
-    python bench/spec_graph_ops.py [--shapes S5K1N6,S3K1N4,S4K2N8] [--batch 1] [--out F.json]
+    python bench/spec_graph_ops.py [--shapes S5K1N6,S3K1N4,S4K2N8] [--batch 1]
+        [--algorithm eagle|eagle3] [--out F.json]
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ def _phase(counter: PhaseCounter, name: str, fn):
     return run
 
 
-def measure(tiny: Path, S: int, K: int, N: int, batch: int, steps: int) -> dict:
+def measure(tiny: Path, S: int, K: int, N: int, batch: int, steps: int,
+            algorithm: str = "eagle") -> dict:
     e = tiny_engine(tiny, max_running_requests=max(batch, 2), attention_backend="triton",
-                    max_context_len=128, speculative=spec("eagle", S, K, N),
+                    max_context_len=128, speculative=spec(algorithm, S, K, N),
                     max_total_tokens=batch * 300 + 256)
     w = e.runner
     w.slots.hold_both = True
@@ -139,7 +141,7 @@ def measure(tiny: Path, S: int, K: int, N: int, batch: int, steps: int) -> dict:
     tri = Counter()
     for (p, k), n in launches.items():
         tri[p] += n / steps
-    return {"shape": f"S{S}K{K}N{N}", "batch": batch, "steps": steps,
+    return {"shape": f"S{S}K{K}N{N}", "algorithm": algorithm, "batch": batch, "steps": steps,
             "aten_ops_per_step": sum(by_phase.values()),
             "triton_launches_per_step": sum(tri.values()),
             "aten_ops_by_phase": dict(sorted(by_phase.items(), key=lambda x: -x[1])),
@@ -153,17 +155,19 @@ def main() -> None:
     ap.add_argument("--shapes", default="S5K1N6,S3K1N4,S4K2N8")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--algorithm", default="eagle", choices=["eagle", "eagle3"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        make_tiny(Path(d))
+        # EAGLE-3 captures 3 layers: its default ids need a target of at least 7
+        make_tiny(Path(d), **({"num_hidden_layers": 8} if args.algorithm == "eagle3" else {}))
         for s in args.shapes.split(","):
             S, rest = s[1:].split("K")
             K, N = rest.split("N")
-            r = measure(Path(d), int(S), int(K), int(N), args.batch, args.steps)
+            r = measure(Path(d), int(S), int(K), int(N), args.batch, args.steps, args.algorithm)
             rows.append(r)
-            print(f"{r['shape']} b{args.batch}: {r['aten_ops_per_step']:.0f} ATen ops + "
+            print(f"{args.algorithm} {r['shape']} b{args.batch}: {r['aten_ops_per_step']:.0f} ATen ops + "
                   f"{r['triton_launches_per_step']:.0f} Triton launches a step; by phase: "
                   + ", ".join(f"{p} {n:.0f}" for p, n in r["aten_ops_by_phase"].items()),
                   flush=True)
