@@ -24,11 +24,11 @@ target's (it loads the target embedding and never trains it), so the checkpoint'
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from eaglekv.errors import ModelLoadError
 from eaglekv.model.config import ModelConfig
-from eaglekv.model.llama import DecoderLayer, LlamaForCausalLM, ModelOutput, linear, rms_norm, t
+from eaglekv.kernels.fused import add_rms_norm
+from eaglekv.model.llama import DecoderLayer, LlamaForCausalLM, ModelOutput, linear, t
 from eaglekv.model.rope import RotaryEmbedding
 from eaglekv.model.draft_io import check_against_target, decoder_layer_config, spread_logits
 from eaglekv.model.eagle3_checkpoint import MID, Eagle3DraftConfig, check_eagle3_state_dict
@@ -119,23 +119,29 @@ class Eagle3DraftModel:
         if hidden.shape[-1] not in (H, 3 * H):
             raise ValueError(f"EAGLE-3 draft hidden has width {hidden.shape[-1]}; expected "
                              f"{3 * H} (target aux hiddens) or {H} (the draft's own output)")
+        # the target layer's kernels (the same ops as the torch reference on the CPU): each
+        # RMSNorm one launch (`add_rms_norm`), RoPE + the K/V store one (`forward_qkv`, where
+        # the rotation by complex multiply was ~6 ops), add + RMSNorm + gate/up + SiLU*mul one
+        # on a decode-sized batch (`DecoderLayer._mlp`); a draft step of the captured EAGLE
+        # step graph is ~8 launches fewer (`bench/spec_graph_ops.py --algorithm eagle3`)
         h = hidden.to(self.dtype)
         if h.shape[-1] == 3 * H:
             h = linear(h, self.fc, self.fc_bias)                                 # (T, H)
-        hn = rms_norm(h, self.hidden_norm, eps)                                  # (T, H)
+        hn, _ = add_rms_norm(h, None, self.hidden_norm, eps, checked=False)      # (T, H)
         residual = hn if c.norm_before_residual else h
-        e = rms_norm(self.embed_tokens(input_ids), self.embed_norm, eps)         # (T, H)
+        e, _ = add_rms_norm(self.embed_tokens(input_ids), None, self.embed_norm, eps,
+                            checked=False)                                       # (T, H)
         x = torch.cat([e, hn], -1)                                               # (T, 2H)
         T, nh, nkv, D = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
         qkv = linear(x, lay.qkv, lay.qkv_bias).view(T, nh + 2 * nkv, D)         # (T, nh+2nkv, D)
-        qk = RotaryEmbedding.apply(qkv[:, :nh + nkv], self.rope.rotations(positions))
-        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]                      # (T, nh|nkv, D)
-        attn = backend.forward(q, k, v, 0, meta, D ** -0.5)                      # (T, nh, D)
-        r = residual + linear(attn.reshape(T, nh * D), lay.o)                    # (T, H)
-        gate, up = linear(rms_norm(r, lay.post_norm, eps), lay.gate_up).chunk(2, -1)  # (T, I)
-        g = r + linear(F.silu(gate) * up, lay.down)                              # (T, H)
+        attn = backend.forward_qkv(qkv, backend.rope_inputs(self.rope, positions), 0, meta,
+                                   D ** -0.5, nh, nkv)                           # (T, nh, D)
+        # r = residual + o(attn); out = down(silu(gate) * up) of gate_up(post_norm(r))
+        out, r = lay._mlp(attn, residual, T)
+        g = r + out                                                              # (T, H)
         gs = g if logits_indices is None else g[logits_indices]                  # (n, H)
-        logits = linear(rms_norm(gs, self.norm, eps), self.lm_head_t)                  # (n, Vd)
+        logits = linear(add_rms_norm(gs, None, self.norm, eps, checked=False)[0],
+                        self.lm_head_t)                                          # (n, Vd)
         return ModelOutput(logits=logits, hidden=g)
 
     def to_target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
