@@ -19,13 +19,10 @@ S5's step profile). Two commits compare without a GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from collections import Counter
-from datetime import datetime, timezone
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -41,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from eaglekv import SamplingParams  # noqa: E402
 from eaglekv.speculative import graphs as sg  # noqa: E402
 from helpers import make_tiny, spec, tiny_engine  # noqa: E402
-from spec_step_ops import _NO_KERNEL  # noqa: E402
+from spec_step_ops import _NO_KERNEL, write_result  # noqa: E402
 
 
 INTERPRETER = "(inside an interpreted Triton launch)"
@@ -167,17 +164,12 @@ def main() -> None:
             K, N = rest.split("N")
             r = measure(Path(d), int(S), int(K), int(N), args.batch, args.steps, args.algorithm)
             rows.append(r)
-            print(f"{args.algorithm} {r['shape']} b{args.batch}: {r['aten_ops_per_step']:.0f} ATen ops + "
+            print(f"{args.algorithm} {r['shape']} b{args.batch}: "
+                  f"{r['aten_ops_per_step']:.0f} ATen ops + "
                   f"{r['triton_launches_per_step']:.0f} Triton launches a step; by phase: "
                   + ", ".join(f"{p} {n:.0f}" for p, n in r["aten_ops_by_phase"].items()),
                   flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    res = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": "cpu",
-           "torch": torch.__version__, "commit": commit,
-           "command": "python bench/spec_graph_ops.py " + " ".join(sys.argv[1:]), "rows": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
+    write_result("bench/spec_graph_ops.py", rows, args.out)
 
 
 if __name__ == "__main__":

@@ -102,13 +102,18 @@ def main() -> None:
             r = rows[-1]
             print(f"{r['shape']} b{args.batch}: draft loop {r['draft_loop_ops_per_step']:.0f} "
                   f"ops, whole step {r['step_ops_per_step']:.0f} ops", flush=True)
+    write_result("bench/spec_step_ops.py", rows, args.out)
+
+
+def write_result(script: str, rows: list, out: str | None) -> None:
+    """The rows with the date, the commit and the command, as JSON at `out` (if given)."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=Path(__file__).resolve().parents[1]).stdout.strip()
     res = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": "cpu",
            "torch": torch.__version__, "commit": commit,
-           "command": "python bench/spec_step_ops.py " + " ".join(sys.argv[1:]), "rows": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
+           "command": f"python {script} " + " ".join(sys.argv[1:]), "rows": rows}
+    if out:
+        Path(out).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
