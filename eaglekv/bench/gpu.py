@@ -151,6 +151,10 @@ MODES = {"plain": None,
          "eagle_chain_S5K1N6_gp1": dict(num_steps=5, topk=1, num_draft_tokens=6),
          # everything built and not yet measured at once (a candidate default)
          "plain_grope_sp1_pg": None,
+         # the qkv gemv's RoPE epilogue off (on by default for small qkv weights since
+         # 2026-12-06): the way before
+         "plain_nogrope": None,
+         "eagle_chain_S5K1N6_nogrope": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "eagle_chain_S5K1N6_gemv8_gt1k_xpdl_grope_pg": dict(num_steps=5, topk=1,
                                                              num_draft_tokens=6),
          "adaptive_grope_pg": dict(adaptive=True)}
@@ -159,7 +163,7 @@ MODES = {"plain": None,
 # the adaptive comparison: that is with the shipped settings)
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
-            "_sp4", "_gp1")
+            "_sp4", "_gp1", "_nogrope")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -168,6 +172,7 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "nopdl": ("eaglekv.kernels.pdl", "PDL", False),
                    "xpdl": ("eaglekv.kernels.attention_triton", "EXTEND_PDL", True),
                    "grope": ("eaglekv.kernels.fused", "FUSE_GEMV_ROPE", True),
+                   "nogrope": ("eaglekv.kernels.fused", "FUSE_GEMV_ROPE", False),
                    "sp1": ("eaglekv.kernels.attention", "MAX_SPLITS", 1),
                    "sp4": ("eaglekv.kernels.attention", "MAX_SPLITS", 4),
                    "gp1": ("eaglekv.kernels.greedy_triton", "SPLIT_MAX_ROWS", 0)}
@@ -605,10 +610,9 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
     # decode attention in one split (no merge launch), both
     from eaglekv.kernels import attention as attn_mod
     variants = {"shipped": [step_s, decode_step_s(graphs)]}
-    for name, sets in (("grope", [(fused, "FUSE_GEMV_ROPE", True)]),
-                       ("sp1", [(attn_mod, "MAX_SPLITS", 1)]),
-                       ("grope_sp1", [(fused, "FUSE_GEMV_ROPE", True),
-                                     (attn_mod, "MAX_SPLITS", 1)])):
+    grope = [(fused, "FUSE_GEMV_ROPE", True), (fused, "GEMV_ROPE_MAX_BYTES", None)]
+    for name, sets in (("grope", grope), ("sp1", [(attn_mod, "MAX_SPLITS", 1)]),
+                       ("grope_sp1", grope + [(attn_mod, "MAX_SPLITS", 1)])):
         was = [(m, a, getattr(m, a)) for m, a, _ in sets]
         try:
             for m, a, v in sets:
@@ -961,6 +965,7 @@ def chained_vs_1step(result: dict) -> None:
                               ("tile_cap_vs_none", "_gt1k", True),
                               ("extend_pdl_vs_none", "_xpdl", True),
                               ("rope_in_gemv_vs_separate", "_grope", True),
+                              ("rope_in_gemv_vs_separate", "_nogrope", False),
                               ("decode_one_split_vs_shipped", "_sp1", True),
                               ("decode_four_splits_vs_shipped", "_sp4", True),
                               ("greedy_pick_split_vs_one_program", "_gp1", False)):

@@ -331,17 +331,29 @@ def rope_store_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 # The qkv gemv with rope_store_qkv as its epilogue (`fused_triton._gemv_rope_kernel`): one
 # launch a layer fewer where the qkv matmul runs in the gemv kernel. Why: with PDL the plain
-# decode step at batch 1 spends 1.38 us a layer in rope_store_qkv (1324 us of 19.3 ms for 32
+# decode step at batch 1 spent 1.38 us a layer in rope_store_qkv (1324 us of 19.3 ms for 32
 # tokens of 30 layers, H100, gpu_bench_h100_20261205d_default_pdl.json), a kernel that only
-# moves the 960 values the qkv kernel just wrote. Off until measured on a GPU (the bench's
-# `*_grope` modes); EAGLEKV_GEMV_ROPE=1 turns it on. Read at each forward (graphs capture it).
-FUSE_GEMV_ROPE = os.environ.get("EAGLEKV_GEMV_ROPE") == "1"
+# moves the 960 values the qkv kernel just wrote. Measured on an H100 2026-12-06
+# (gpu_bench_h100_20261206_next.json, one process): SmolLM2's plain decode 1.10x / 1.07x /
+# 1.01x / 1.00x at batch 1 / 4 / 16 / 64 (6.3 kernels a layer, device time 19.04 -> 18.11 ms
+# for 32 tokens), tokens bit-identical to the two kernels at every batch; but the 8B shape's
+# decode 6.61 -> 6.80 ms (77.7% -> 75.5% of its roofline): its qkv weight (50 MB) is streamed
+# at the bandwidth, and the epilogue's registers cost occupancy. So on by default for a qkv
+# weight of at most GEMV_ROPE_MAX_BYTES (SmolLM2's is 1.1 MB), where the kernel is bound by
+# latency, not bandwidth; EAGLEKV_GEMV_ROPE=0 turns it off, =1 on for any size. Read at each
+# forward (graphs capture it).
+_GEMV_ROPE_ENV = os.environ.get("EAGLEKV_GEMV_ROPE")
+FUSE_GEMV_ROPE = _GEMV_ROPE_ENV != "0"
+GEMV_ROPE_MAX_BYTES = None if _GEMV_ROPE_ENV == "1" else 8 << 20
 
 
 def use_gemv_rope(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
-    """The fused qkv + rope kernel takes this forward: on (FUSE_GEMV_ROPE), the qkv matmul in
-    the gemv kernel (`use_gemv`), and the gemv's column block whole pairs of one head."""
+    """The fused qkv + rope kernel takes this forward: on (FUSE_GEMV_ROPE), the qkv weight at
+    most GEMV_ROPE_MAX_BYTES (None: any), the qkv matmul in the gemv kernel (`use_gemv`), and
+    the gemv's column block whole pairs of one head."""
     if not (FUSE_GEMV_ROPE and use_gemv(x, w, fused=True)):
+        return False
+    if GEMV_ROPE_MAX_BYTES is not None and w.numel() * w.element_size() > GEMV_ROPE_MAX_BYTES:
         return False
     bn = _triton_impl().GEMV_CONFIG["block_n"]
     return bn % 2 == 0 and head_dim % bn == 0

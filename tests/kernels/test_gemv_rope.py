@@ -89,9 +89,11 @@ def reference(**a):
                                        c["w"].contiguous())
     H, Hkv, D = c["num_heads"], c["num_kv_heads"], c["k_cache"].shape[-1]
     q = fused.rope_store_qkv_torch(qkv.view(-1, H + 2 * Hkv, D), c["cos"], c["sin"],
-                                   c["positions"], a["k_cache"], a["v_cache"],
+                                   c["positions"], c["k_cache"], c["v_cache"],
                                    c["out_cache_loc"], num_heads=H, num_kv_heads=Hkv,
                                    size_limit=c["size_limit"])
+    a["k_cache"].copy_(c["k_cache"])          # on a GPU the CPU copies took the writes
+    a["v_cache"].copy_(c["v_cache"])
     return q, res
 
 
@@ -175,11 +177,21 @@ def test_bad_slot_and_position_write_no_row_and_are_reported():
     assert q.shape == (4, H, D) and bool(torch.isfinite(q.float()).all())
 
 
-def test_off_by_default_and_only_for_whole_pairs(monkeypatch):
+def test_on_for_small_qkv_weights_and_only_for_whole_pairs(monkeypatch):
+    """On by default (EAGLEKV_GEMV_ROPE unset) for a qkv weight of at most
+    GEMV_ROPE_MAX_BYTES: measured faster for SmolLM2's 1.1 MB, slower for the 8B shape's 50 MB
+    (H100, 2026-12-06); off with the switch; never where a column block splits a pair."""
     a = case(1, 4, 2, 16, torch.float32, torch.int64)
+    if "EAGLEKV_GEMV_ROPE" not in os.environ:
+        assert fused.FUSE_GEMV_ROPE and fused.GEMV_ROPE_MAX_BYTES == 8 << 20
     monkeypatch.setattr(fused, "FUSE_GEMV_ROPE", False)
     assert not fused.use_gemv_rope(a["x"], a["w"], 16)
     monkeypatch.setattr(fused, "FUSE_GEMV_ROPE", True)
+    assert fused.use_gemv_rope(a["x"], a["w"], 16)
+    nbytes = a["w"].numel() * a["w"].element_size()
+    monkeypatch.setattr(fused, "GEMV_ROPE_MAX_BYTES", nbytes - 1)   # a larger weight: not
+    assert not fused.use_gemv_rope(a["x"], a["w"], 16)
+    monkeypatch.setattr(fused, "GEMV_ROPE_MAX_BYTES", None)         # =1: any size
     assert fused.use_gemv_rope(a["x"], a["w"], 16)
     cfg = fused._triton_impl().GEMV_CONFIG
     monkeypatch.setitem(cfg, "block_n", 3)                       # odd: splits a pair
