@@ -60,13 +60,12 @@ case "${1:-bench}" in
       BATCHES=${BATCHES:-1,2,4,16,64} LLAMA8B=${LLAMA8B:-" "} FLOOR=${FLOOR:-0} "$0" bench
     ;;
   next)
-    # the run planned on 2026-12-06 (first half, 14 modes): the features built since the last
-    # GPU run, each against the shipped engine in one process: the qkv gemv's RoPE epilogue
-    # (grope), the decode in one attention split (sp1: no merge launch), the greedy pick's row
-    # in one program (gp1: the way before its split), the prefill graphs (pg), the extend
-    # attention under PDL with S5's verify in the gemv kernel (gemv8_gt1k_xpdl), all of them
-    # at once, adaptive (its batch-1 plain horizon), and the 8B row (grope, sp1, both)
-    MODES=${MODES:-plain,plain_gp1,plain_grope,plain_sp1,plain_pg,plain_grope_sp1_pg,eagle_chain_S5K1N6,eagle_chain_S5K1N6_grope,eagle_chain_S5K1N6_sp1,eagle_chain_S5K1N6_pg,eagle_chain_S5K1N6_gemv8_gt1k_xpdl,eagle_chain_S5K1N6_gemv8_gt1k_xpdl_grope_pg,adaptive,adaptive_grope_pg} \
+    # the run planned after 2026-12-06 (one process, 12 modes and the 8B row): the RoPE
+    # epilogue now on by default against off (nogrope), the prefill graphs (pg) alone, the
+    # one-program greedy pick (gp1), S5 / S3 / EAGLE-3 and adaptive (both heads). The EAGLE-3
+    # modes need its head in the tree (.carry/slimmed/eaglekv/drafts/*-eagle3, 28 MiB: a call of
+    # its own)
+    MODES=${MODES:-plain,plain_nogrope,plain_pg,plain_gp1,eagle_chain_S5K1N6,eagle_chain_S5K1N6_pg,eagle_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_tree_S6K4N16,adaptive,adaptive_pg,adaptive_eagle3_trees} \
       FLOOR=${FLOOR:-0} "$0" bench
     ;;
   next2)
