@@ -290,10 +290,19 @@ def timed_generate(engine: Engine, ps: list[list[int]], n: int,
     t = time.perf_counter()
     reqs = [engine.add_request(p, params) for p in ps[:c]]
     walls, first = [], None
+    policy = getattr(engine.worker, "policy", None)     # adaptive: what each step chose
+    trace, made = [], 0
     while len(reqs) < len(ps) or any(not r.finished for r in reqs):
         s = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - s)
+        if policy is not None:
+            now = sum(len(r.output_ids) for r in reqs)
+            last = policy.last
+            label = "-" if last is None else last.label + ("?" if last.explore else "")
+            trace.append([label, now - made,
+                          round(1e3 * walls[-1], 3)])
+            made = now
         if first is None and all(r.output_ids for r in reqs[:c]):
             first = len(walls)
         running = sum(not r.finished for r in reqs)
@@ -315,6 +324,8 @@ def timed_generate(engine: Engine, ps: list[list[int]], n: int,
               "decode_step_ms_p90": 1e3 * decode[int(0.9 * (len(decode) - 1))],
               "decode_step_ms_max": 1e3 * decode[-1],
               "other_ms": 1e3 * (dt - sum(walls))}
+    if policy is not None:   # [choice of the step's last decision, tokens made, ms] a step
+        phases["step_trace"] = trace
     return len(ps) * n / dt, [o.token_ids for o in outs], phases
 
 

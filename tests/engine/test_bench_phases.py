@@ -70,6 +70,25 @@ def test_step_profile_reports_preemptions_of_a_small_pool(tiny_dir, monkeypatch)
     assert seen[0].max_total_tokens >= 64 * (gpu.PROFILE_NEW_TOKENS + 32)
 
 
+def test_timed_generate_traces_an_adaptive_engine_step_by_step(tiny_dir):
+    """An adaptive engine's timed run lists each step's choice, the tokens it made and its
+    milliseconds: the tokens add up to every request's output, the times to the steps'."""
+    e = tiny_engine(tiny_dir, max_context_len=1024, max_total_tokens=4096,
+                    speculative=dict(algorithm="eagle", draft_model="random", adaptive=True,
+                                     shapes=((3, 1, 4),)))
+    n = 9
+    tps, toks, ph = timed_generate(e, PROMPTS, n)
+    trace = ph["step_trace"]
+    assert len(trace) == ph["prefill_steps"] + ph["decode_steps"]
+    assert sum(t[1] for t in trace) == len(PROMPTS) * n
+    assert sum(t[2] for t in trace) == pytest.approx(ph["prefill_ms"] + ph["decode_ms"],
+                                                     abs=1e-3 * len(trace))
+    labels = {t[0].rstrip("?") for t in trace[ph["prefill_steps"]:]}
+    assert labels <= {"plain", "S3K1N4", "S3K1N4+plain"}, labels
+    _, _, plain_ph = timed_generate(tiny_engine(tiny_dir), PROMPTS, n)
+    assert "step_trace" not in plain_ph
+
+
 def test_step_profile_leaves_the_adaptive_costs_alone(tiny_dir):
     """Steps under the profilers are not an adaptive engine's costs: its cost table is the
     same after the profile, and learns again afterwards."""
