@@ -179,10 +179,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
                    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    DP: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                    SP: tl.constexpr, FUSED_MERGE: tl.constexpr, F32DOT: tl.constexpr,
-                   CHECK: tl.constexpr, USE_GDC: tl.constexpr = False):
+                   CHECK: tl.constexpr, USE_GDC: tl.constexpr = False,
+                   MIN_CHUNK: tl.constexpr = 0):
     """Program (b, kv head, split): the G query heads of one kv head (rows padded to GP) over
     keys [lo, hi), lo = split * chunk, hi = min(lo + chunk, kv_len), chunk = cdiv(kv_len,
-    SPLITS). SPLITS == 1 writes the output; else the partial output o = acc / l and
+    SPLITS) (at least MIN_CHUNK: the splits past kv_len are empty). SPLITS == 1 writes the
+    output; else the partial output o = acc / l and
     lse2 = m + log2(l) (-inf for an empty split) go to mid_o (B, H, SPLITS, DP) and
     mid_lse (B, H, SPLITS), merged by `_merge_kernel`, or (FUSED_MERGE) by the last of the
     (b, kv head)'s splits to finish, in this launch: each split takes a ticket (an atomic add
@@ -199,6 +201,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
     kv_len = tl.load(len_ptr + b).to(tl.int64)
     base = tl.load(start_ptr + b).to(tl.int64)
     chunk = (kv_len + SPLITS - 1) // SPLITS
+    if MIN_CHUNK > 0:         # short contexts: fewer, fuller splits (the rest are empty)
+        chunk = tl.maximum(chunk, MIN_CHUNK)
     lo = sp * chunk
     hi = tl.minimum(lo + chunk, kv_len)
     g = tl.arange(0, GP)
@@ -464,7 +468,7 @@ def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scal
         return out
     G = H // hkv
     GP, DP = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))
-    block_n = 64 if DP <= 128 else 32
+    block_n = DECODE_BLOCK_N or (64 if DP <= 128 else 32)
     if num_splits > 1:   # scratch shapes from host ints only (graph capture allocates them once)
         mid_o = torch.empty(B, H, num_splits, DP, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
@@ -482,8 +486,9 @@ def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scal
         *q.stride(), *out.stride(), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), H=H, G=G, GP=GP, D=D, DP=DP,
         BLOCK_N=block_n, SPLITS=num_splits, SP=sp, FUSED_MERGE=fused,
-        F32DOT=_f32_dot(q.dtype), CHECK=check, USE_GDC=use_pdl, num_warps=4,
-        num_stages=key_loop_stages(check, True), **pdl.launch_options(use_pdl))
+        F32DOT=_f32_dot(q.dtype), CHECK=check, USE_GDC=use_pdl, MIN_CHUNK=DECODE_MIN_CHUNK,
+        num_warps=DECODE_WARPS, num_stages=key_loop_stages(check, True),
+        **pdl.launch_options(use_pdl))
     if num_splits > 1 and not fused:
         _merge_kernel[(B, H)](mid_o, mid_lse, out, *out.stride(), H=H, D=D, DP=DP,
                               SPLITS=num_splits, SP=triton.next_power_of_2(num_splits),
@@ -493,6 +498,13 @@ def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scal
     return out
 
 
+# The decode kernel's tile (exploring, bench/decode_tiles.py): keys in tiles of DECODE_BLOCK_N
+# (None: 64, 32 past 128 dims), DECODE_WARPS warps a program, and at least DECODE_MIN_CHUNK
+# keys a split (0: cdiv(kv_len, splits), so a graph captured for long contexts spreads a
+# short one over all its splits, ~19 keys each at 300 keys and 16 splits).
+DECODE_BLOCK_N: int | None = None
+DECODE_WARPS = 4
+DECODE_MIN_CHUNK = 0
 # The split-K decode's merge inside the decode launch (`_decode_kernel`'s FUSED_MERGE): the
 # separate merge kernel ran 1.33 us a launch at batch 1 on the H100, once a layer (2026-12-05:
 # plain's decode 3.25 us + merge 1.33 us of the ~23 us a layer). Built on the CPU (interpreter,

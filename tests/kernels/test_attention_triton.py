@@ -758,3 +758,30 @@ def test_decode_merge_in_the_decode_launch(fused, monkeypatch):
         if fused and splits > 1:
             assert not at.decode_tickets(torch.device(DEV))[:4 * hkv].any()
     test_decode_bad_slot("limit", 3)
+
+
+@pytest.mark.parametrize("tile", [(None, 4, 0), (32, 4, 64), (128, 8, 16), (16, 2, 40)],
+                         ids=lambda t: f"n{t[0]}w{t[1]}c{t[2]}")
+def test_decode_tiles_equal_the_reference(tile, monkeypatch):
+    """The decode kernel's tile knobs (keys a tile, warps, the least keys a split, for
+    bench/decode_tiles.py): the same outputs for every split count, splits left empty by the
+    least chunk included, a sequence shorter than a split and an empty one; a bad slot is
+    still refused."""
+    from eaglekv.kernels import attention_triton as at
+    block_n, warps, min_chunk = tile
+    monkeypatch.setattr(at, "DECODE_BLOCK_N", block_n)
+    monkeypatch.setattr(at, "DECODE_WARPS", warps)
+    monkeypatch.setattr(at, "DECODE_MIN_CHUNK", min_chunk)
+    g = torch.Generator().manual_seed(43)
+    H, hkv, D = 9, 3, 64
+    lens = [150, 1, 0, 37]
+    table, start, rows = paged_table(lens, 1, g)
+    kb, vb = kv_buffers(rows, hkv, D, torch.float32, g)
+    q = torch.randn(4, H, D, generator=g)
+    kv_len = torch.tensor(lens)
+    ref = decode_attention_torch(q, kb, vb, table, start, kv_len, 0.125, size_limit=rows)
+    for splits in (1, 3, 8):
+        out = decode_attention(*to_dev(q, kb, vb, table, start, kv_len), 0.125,
+                               size_limit=rows, num_splits=splits)
+        close(out, ref, torch.float32)
+    test_decode_bad_slot("limit", 3)
