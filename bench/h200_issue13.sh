@@ -7,6 +7,8 @@
 #   bench/h200_issue13.sh gemv    # the gemv kernel: shipped split vs every matmul vs none, S5's
 #                                 # verify in it (gemv8), checked vs unchecked (the kernel rewrites)
 #   bench/h200_issue13.sh next    # the next run's modes (see the case below)
+#   bench/h200_issue13.sh diag    # pg alone and adaptive's step trace (see the case below)
+#   bench/h200_issue13.sh tiles   # the decode kernel's tile (bench/decode_tiles.py)
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
 #                                 # (the whole suite takes ~7 min on an H100: split it, e.g.
 #                                 # tests/kernels, then tests/speculative tests/engine ...)
@@ -67,6 +69,15 @@ case "${1:-bench}" in
     # its own)
     MODES=${MODES:-plain,plain_nogrope,plain_pg,plain_gp1,eagle_chain_S5K1N6,eagle_chain_S5K1N6_pg,eagle_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_tree_S6K4N16,adaptive,adaptive_pg,adaptive_eagle3_trees} \
       FLOOR=${FLOOR:-0} "$0" bench
+    ;;
+  diag)
+    # 2026-12-06 (ninth session): the prefill graphs alone (pg) for plain, S5 and adaptive, and
+    # adaptive's step trace (its rows' phases: choice, tokens and ms a step); no 8B row
+    MODES=${MODES:-plain,plain_pg,eagle_chain_S5K1N6,eagle_chain_S5K1N6_pg,eagle_chain_S3K1N4,adaptive,adaptive_pg} \
+      LLAMA8B=${LLAMA8B:-" "} FLOOR=${FLOOR:-0} "$0" bench
+    ;;
+  tiles)
+    python3 bench/decode_tiles.py --out "$OUT/decode_tiles.json" 2>&1 | tail -8
     ;;
   next2)
     # second half (16 modes): sp4, gt1k, gp1 and pg for S5 and adaptive, PDL against none,
