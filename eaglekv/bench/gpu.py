@@ -153,6 +153,9 @@ MODES = {"plain": None,
          "plain_grope_sp1_pg": None,
          # the qkv gemv's RoPE epilogue off (on by default for small qkv weights since
          # 2026-12-06): the way before
+         "plain_nopg": None,
+         "eagle_chain_S5K1N6_nopg": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         "adaptive_nopg": dict(adaptive=True),
          "plain_nogrope": None,
          "eagle_chain_S5K1N6_nogrope": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "eagle_chain_S5K1N6_gemv8_gt1k_xpdl_grope_pg": dict(num_steps=5, topk=1,
@@ -163,7 +166,7 @@ MODES = {"plain": None,
 # the adaptive comparison: that is with the shipped settings)
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
-            "_sp4", "_gp1", "_nogrope")
+            "_sp4", "_gp1", "_nogrope", "_nopg")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -255,8 +258,14 @@ def _make_engine(args, mode: str, max_batch: int) -> Engine:
                                waiting_served_ratio=getattr(args, "waiting_served_ratio", 0.0),
                                max_waiting_steps=getattr(args, "max_waiting_steps", 20),
                                num_scheduler_steps=scheduler_steps(mode),
-                               cuda_graph_prefill_tokens=256 if "pg" in mode.split("_")
-                               else 0))
+                               cuda_graph_prefill_tokens=prefill_graph_tokens(mode)))
+
+
+def prefill_graph_tokens(mode: str) -> int | None:
+    """cuda_graph_prefill_tokens of a mode: 256 (`*_pg`), 0 (`*_nopg`: eager prefills, the
+    default until 2026-12-06), else the engine's default."""
+    parts = mode.split("_")
+    return 256 if "pg" in parts else 0 if "nopg" in parts else None
 
 
 def scheduler_steps(mode: str) -> int | None:
@@ -973,6 +982,7 @@ def chained_vs_1step(result: dict) -> None:
                               ("pdl_vs_none", "_nopdl", False),
                               ("chain64_vs_default", "_k64", True),
                               ("prefill_graph_vs_eager", "_pg", True),
+                              ("prefill_graph_vs_eager", "_nopg", False),
                               ("tile_cap_vs_none", "_gt1k", True),
                               ("extend_pdl_vs_none", "_xpdl", True),
                               ("rope_in_gemv_vs_separate", "_grope", True),

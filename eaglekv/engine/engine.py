@@ -98,7 +98,7 @@ class Engine:
                                                     or cfg.max_running_requests,
                                                     cfg.max_running_requests)
                               if cfg.cuda_graphs else 0,
-                              cuda_graph_prefill_tokens=min(cfg.cuda_graph_prefill_tokens,
+                              cuda_graph_prefill_tokens=min(cfg.prefill_graph_tokens,
                                                             self.max_context_len))
         self.runner = (build_runner(res, spec, draft_ckpt, drafter, cfg.decode_steps)
                        if spec.enabled

@@ -224,6 +224,19 @@ def test_prefill_buckets():
         EngineConfig(cuda_graph_prefill_tokens=True)
 
 
+def test_prefill_graphs_default_follows_the_decode_graphs(monkeypatch):
+    """cuda_graph_prefill_tokens=None (the default) replays prefills of up to 256 tokens
+    where decode steps replay graphs (CUDA, Triton attention, not disabled), and none
+    elsewhere; an explicit value is kept."""
+    from eaglekv.config import DEFAULT_PREFILL_GRAPH_TOKENS
+    assert EngineConfig().cuda_graph_prefill_tokens is None
+    assert EngineConfig(device="cpu").prefill_graph_tokens == 0
+    assert EngineConfig(device="cpu", cuda_graph_prefill_tokens=64).prefill_graph_tokens == 64
+    monkeypatch.setattr(EngineConfig, "cuda_graphs", property(lambda self: True))
+    assert EngineConfig().prefill_graph_tokens == DEFAULT_PREFILL_GRAPH_TOKENS == 256
+    assert EngineConfig(cuda_graph_prefill_tokens=0).prefill_graph_tokens == 0
+
+
 @pytest.mark.parametrize("chunk,page_size", [(None, 1), (4, 4)])
 def test_prefill_graph_equals_the_eager_prefill(tiny_dir, reference, chunk, page_size):
     """Each prompt prefilled alone through the prefill graph (whole, or in chunks of 4 over
