@@ -11,8 +11,9 @@ O matmul, add+RMSNorm, gate/up matmul, SiLU*mul, down matmul) -> final norm -> L
 tree mask -> logits and hidden states). `PrefillGraphs` captures one request's extend of up
 to a few hundred tokens (a prompt, or a chunk of one) per token bucket, causal over its
 cached prefix -> the logits of its last token (`cuda_graph_prefill_tokens`: 256 by default
-under decode graphs). Both run over static device buffers that each replay fills. Padded rows (bucket > batch) point at req_to_token's padding row 0 and write their K/V
-into slot 0, the padding page, so a replay never reads or writes a real request's KV.
+under decode graphs). Both run over static device buffers that each replay fills. Padded
+rows (bucket > batch) point at req_to_token's padding row 0 and write their K/V into slot 0,
+the padding page, so a replay never reads or writes a real request's KV.
 
 The guards stay on inside the graphs: every guarded kernel was registered with the KVGuard at
 capture time under a call id of the graph kind's own range (`KVGuard.capturing`; the id is
