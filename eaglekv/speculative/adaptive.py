@@ -165,14 +165,22 @@ class CostTable:
 
     def get(self, label: str, n: int) -> float | None:
         """The cell's seconds; an unknown cell is estimated from the same choice at another
-        bucket, scaled by plain decoding's ratio between the two (None: no way to say; a
-        plain cell is always measured, which costs nothing)."""
+        bucket: a chain's is the nearest known bucket's (the larger of two as near: a step
+        of fewer requests costs no more), a shape's is scaled by plain decoding's ratio
+        between the two buckets (None: no way to say). A plain cell of one-token steps is not
+        estimated: the step it is needed for measures it, which costs nothing; a chain's
+        exploration costs a whole chain (on an H100 at batch 16 the tail of a run, its last
+        8, then 4, then 2 requests, explored a 32-token chain at each new bucket: ~80 of the
+        run's ~240 ms, 2026-12-06)."""
         if self.known(label, n):
             return self.cells[self.key(label, n)][0]
+        if label == CHAIN:
+            return self._nearest(label, n)
         ref = next((r for r in (PLAIN, CHAIN) if self.known(r, n)), None)
-        if label in (PLAIN, CHAIN) or ref is None:
+        if label == PLAIN or (ref is None and self._nearest(CHAIN, n) is None):
             return None
-        here = self.cells[self.key(ref, n)][0]
+        ref = ref or CHAIN
+        here = self.get(ref, n)
         best = None
         for k, (sec, cnt) in self.cells.items():
             lab, _, b = k.rpartition("@")
@@ -180,6 +188,18 @@ class CostTable:
                 est = sec * here / self.cells[self.key(ref, int(b))][0]
                 if best is None or abs(int(b) - bucket(n)) < best[0]:
                     best = (abs(int(b) - bucket(n)), est)
+        return None if best is None else best[1]
+
+    def _nearest(self, label: str, n: int) -> float | None:
+        """`label`'s seconds at the known bucket nearest n's in powers of two (the larger of
+        two as near)."""
+        b, best = bucket(n).bit_length(), None
+        for k, (sec, cnt) in self.cells.items():
+            lab, _, kb = k.rpartition("@")
+            if lab == label and cnt >= self.seed:
+                d = (abs(int(kb).bit_length() - b), -int(kb))
+                if best is None or d < best[0]:
+                    best = (d, sec)
         return None if best is None else best[1]
 
     def save(self) -> None:
@@ -242,6 +262,9 @@ class AdaptivePolicy:
     depth S ages what the request saw deeper than S: those counts shrink by `forget` a step,
     so the optimism about depths not drafted lately grows back and a shallow shape cannot
     keep the deeper ones out on old evidence (they are measured again now and then).
+    `shrink` (0: off; `CHAINED` under CUDA graphs): the choice reads each request's rates
+    shrunk toward the engine's slow average as if that were `shrink` drafts of its own
+    (`_own`).
 
     The optimism is budgeted once a request has drafts of its own: a choice that only the
     optimism makes (without it another one, or plain decoding, is worth more) is expected to
@@ -253,10 +276,21 @@ class AdaptivePolicy:
     new request used to try S5 four or five times (the `make demo` prompt ran ~10% below
     plain)."""
 
+    # (shrink, alpha) where choices run as chains of whole steps (CUDA graphs: AdaptiveWorker
+    # sets them). On an H100 at batch 1 (2026-12-06, the step traces of
+    # bench/results/gpu_bench_h100_20261206_diag.json) a request's first chain, over the
+    # hardest tokens of its answer, made the policy decode a 16-32 token plain chain and
+    # then alternate S3 and S5 chains with single steps between: 0.79x the fixed S5. In
+    # eaglekv.testing.adaptive_sim's replay of that (text with easy and hard stretches,
+    # the H100's step costs) the policy with (0, 0.3) ran 0.972x the fixed S5 and with
+    # (12, 0.15) 0.998x; on text with longer hard stretches 0.972x -> 0.990x.
+    CHAINED = (12.0, 0.15)
+
     def __init__(self, shapes: list[Shape], costs: CostTable, prior: float = 0.7,
                  alpha: float = 0.3, alpha_engine: float = 0.05, alpha_prior: float = 0.01,
                  beta: float = 0.1, max_wait: int = 64, optimism: float = 0.5,
-                 step_weight: int = 8, forget: float = 0.1, explore_budget: float = 0.01):
+                 step_weight: int = 8, forget: float = 0.1, explore_budget: float = 0.01,
+                 shrink: float = 0.0):
         self.shapes = list(shapes)
         self.depth = D = max(s.S for s in shapes)
         self.costs = costs
@@ -264,6 +298,7 @@ class AdaptivePolicy:
                                                                       alpha_prior, beta)
         self.max_wait, self.optimism, self.step_weight = max_wait, optimism, step_weight
         self.forget = forget
+        self.shrink = shrink
         self.explore_budget = explore_budget
         self.explore_spent = 0.0       # plain tokens' worth of time optimistic choices cost
         self.explore_room = 0.0        # EXPLORE_ALLOWANCE per request seen
@@ -366,6 +401,20 @@ class AdaptivePolicy:
                                slow=self.slow[row], wait=int(self.wait[row]),
                                probes=int(self.probes[row]), speculating=bool(self.on[row]))
 
+    def _own(self, rows: np.ndarray) -> np.ndarray:
+        """(n, D) the requests' rates as the choice reads them: each position's average
+        shrunk toward the engine's slow average `prior` as if that were `shrink` more drafts
+        of the request's own, rate = (nobs * own + shrink * prior) / (nobs + shrink) (the
+        empirical-Bayes estimate of a request's acceptance from few drafts: a request's first
+        chain, often over the hardest tokens of its answer, cannot outweigh what every
+        request before it showed; a request whose drafts keep failing outweighs it after a
+        few steps)."""
+        R = self.rates[rows]
+        if self.shrink <= 0:
+            return R
+        n = self.nobs[rows]
+        return (n * R + self.shrink * self.prior) / (n + self.shrink)
+
     def expected(self, rates: np.ndarray, shape: Shape) -> float:
         """Expected accepted draft tokens under `shape` (rates made non-increasing)."""
         eff = np.minimum.accumulate(self._extrapolated(rates[None, :])[0, :shape.S])
@@ -424,11 +473,11 @@ class AdaptivePolicy:
             return self._chosen(self._refresh(B, None) or Choice(None, [], list(range(B))))
         per_token = costs.get(alone, B) + self.catch_up_cost(B)
         if B == 1:      # the latency case, in scalars (numpy's per-call cost would dominate)
-            c = self._choose_one(int(rows[0]), self._extrapolated(self.rates[rows])[0],
+            c = self._choose_one(int(rows[0]), self._extrapolated(self._own(rows))[0],
                                  self._bonus(rows)[0], per_token)
             return self._chosen(self._hold(key, c) if self._one_sure else c)
         # (B, D) rates made non-increasing, summed: cum[b, i] = expected accepted of depth i+1
-        cum = np.minimum.accumulate(self._extrapolated(self.rates[rows]), axis=1).cumsum(1)
+        cum = np.minimum.accumulate(self._extrapolated(self._own(rows)), axis=1).cumsum(1)
         bonus = self._bonus(rows)                                              # (B, D)
         k = np.arange(B + 1)                                                   # spec part size
         plain_cost = self._cost_curve(PLAIN, B)                                # [n] for n = 0..B
@@ -534,7 +583,7 @@ class AdaptivePolicy:
         chain = self.costs.get(CHAIN, 1)
         if chain is not None:
             per_token = chain + self.catch_up_cost(1)
-        rates, slow = self.rates[row], self.slow[row]
+        rates, slow = self._own(np.array([row]))[0], self.slow[row]
         n = 1
         while n < longest:
             drifted = rates + (1 - (1 - self.beta) ** n) * (slow - rates)

@@ -1058,3 +1058,85 @@ def test_batch_1_with_the_horizon_stays_near_the_best_fixed_shape():
         with_h, plain = run(q, True)
         without = run(q, False)[0]
         assert with_h <= 1.045 and with_h < without - 0.005 and plain > 1.2, (q, with_h, without)
+
+
+# ---- choices that run as chains (CUDA graphs): shrunk rates, chain costs from a neighbour ------
+def test_a_request_rates_shrink_toward_the_engine_prior():
+    """With `shrink` s the choice reads rate = (nobs * own + s * prior) / (nobs + s) at each
+    position; s = 0 reads the request's own rates."""
+    p = AdaptivePolicy([S3], CostTable.fixed({PLAIN: 1.0, S3.label: 1.5}), shrink=12.0)
+    r = FakeReq()
+    st = p.state(r)
+    p.prior[:] = 0.9
+    st.rates[:] = 0.2
+    st.nobs[:] = [12, 4, 0]
+    rows = p._rows([r])
+    assert p._own(rows)[0] == pytest.approx([0.55, (0.8 + 10.8) / 16, 0.9])
+    p.shrink = 0.0
+    assert p._own(rows)[0] == pytest.approx([0.2, 0.2, 0.2])
+
+
+def test_a_hard_first_chain_does_not_switch_a_good_request_off():
+    """The H100's batch-1 costs (eaglekv.testing.adaptive_sim.Mechanics) and an engine whose
+    requests accepted ~4.7 tokens a step at S5: a new request's first six S5 steps accept
+    one draft each (the hardest tokens of its answer). With the chained settings
+    (`CHAINED`) it stays on S5; reading its own rates alone (shrink 0, alpha 0.3, as before)
+    it went to a shallower shape or plain decoding."""
+    from eaglekv.testing.adaptive_sim import SHAPES, Mechanics
+    picks = {}
+    for name, (shrink, alpha) in {"chained": AdaptivePolicy.CHAINED, "own": (0.0, 0.3)}.items():
+        p = AdaptivePolicy(list(SHAPES), Mechanics().costs(), shrink=shrink, alpha=alpha)
+        p.engine_rates[:] = p.prior[:] = 0.99 ** np.arange(1, 6) * 0.95
+        p.seen = 5
+        r = FakeReq()
+        assert p.choose([r], chain=True).shape == Shape(5, 1, 6)
+        for a in (1, 1, 1, 1, 1, 1):       # 12 tokens in six steps, as on the H100
+            p.observe_spec([r], Shape(5, 1, 6), [a])
+        picks[name] = p.choose([r], chain=True).label
+    assert picks == {"chained": "S5K1N6", "own": picks["own"]} and picks["own"] != "S5K1N6"
+
+
+@pytest.mark.parametrize("text,bar", [({}, 0.99), (dict(hard_run=10, easy_run=60), 0.98),
+                                      (dict(q_hard=0.99, hard_start=0), 0.99)],
+                         ids=["bench-like", "longer-dips", "flat"])
+def test_batch_1_replay_with_chains_stays_with_the_best_fixed_shape(text, bar):
+    """eaglekv.testing.adaptive_sim: 40 requests of 256 tokens at batch 1 with the H100's
+    step mechanics (held choices chained, plain chains with their horizon, the draft's
+    catch-up), text with easy and hard stretches. The policy as AdaptiveWorker sets it under
+    chains runs within 1-2% of the best fixed shape and well above plain decoding."""
+    from eaglekv.testing.adaptive_sim import compare
+    r = compare(text_options=text)
+    assert r["adaptive_vs_best_fixed"] >= bar, r
+    assert r["adaptive_vs_plain"] >= 1.25, r
+
+
+def test_a_chain_cell_is_estimated_from_the_nearest_bucket():
+    """A plain chain's cost at a bucket never measured is the nearest measured bucket's (the
+    larger of two as near), so a batch whose last requests finish one by one does not
+    explore a 32-token chain at each new size; a shape's cost there is scaled by it; a
+    one-token plain cell is still not estimated (the step that needs it measures it)."""
+    t = CostTable(drop_first=False)
+    for _ in range(2):
+        t.observe(CHAIN, 16, 0.0010)
+        t.observe(CHAIN, 1, 0.0006)
+        t.observe(S3.label, 16, 0.0025)
+    assert t.get(CHAIN, 8) == pytest.approx(0.0010)     # 8: nearer 16 than 1
+    assert t.get(CHAIN, 4) == pytest.approx(0.0010)     # 4: as near 1 as 16: the larger
+    assert t.get(CHAIN, 2) == pytest.approx(0.0006)     # 2: nearer 1
+    assert t.get(PLAIN, 8) is None
+    assert t.get(S3.label, 8) == pytest.approx(0.0025)  # scaled by CHAIN 8 / CHAIN 16 = 1
+    assert t.get(S3.label, 1) == pytest.approx(0.0025 * 0.6)
+    p = AdaptivePolicy([S3], t)
+    reqs = [FakeReq() for _ in range(8)]
+    for r in reqs:
+        p.state(r).rates[:] = 0.9
+    c = p.choose(reqs, chain=True)
+    assert not c.explore and c.shape == S3, c
+
+
+def test_the_worker_uses_the_chained_settings_only_where_steps_chain(tiny_dir):
+    eng = adaptive_engine(tiny_dir, costs={PLAIN: 1.0, S3.label: 1.3})
+    assert (eng.runner.policy.shrink, eng.runner.policy.alpha) == (0.0, 0.3)
+    eng = adaptive_engine(tiny_dir, costs={PLAIN: 1.0, S3.label: 1.3}, num_scheduler_steps=32)
+    assert min(w.chain_steps for w in eng.runner.workers.values()) > 1
+    assert (eng.runner.policy.shrink, eng.runner.policy.alpha) == AdaptivePolicy.CHAINED
