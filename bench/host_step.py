@@ -6,6 +6,8 @@ step outside the stubbed forward (each costs ~20-30 us of launch on the H200's h
 
     python bench/host_step.py [--batches 1,4,16,64] [--steps 200] [--chain 8]
                               [--modes "plain,eagle S5K1N6,eagle S5K1N6 chained"] [--out F.json]
+    modes: plain, "eagle S5K1N6[ chained]", "adaptive S5K1N6[ chained]" (adaptive over S5 and
+    S3 with costs that always choose S5: the policy's host work on top of the fixed S5's)
 
 A tiny random Llama on the CPU; the figures are this CPU's, for comparing commits.
 """
@@ -61,7 +63,10 @@ def count_ops(fn) -> Counter:
 def run(tiny: Path, mode: str, batch: int, steps: int, chain: int = 8) -> dict:
     kw = dict(max_running_requests=max(batch, 2), attention_backend="triton",
               max_total_tokens=batch * (max(steps * 8, 512) + 64) + 256)
-    if mode != "plain":
+    if mode.startswith("adaptive"):     # S5 always the choice: the policy's own host work
+        kw["speculative"] = dict(algorithm="eagle", draft_model="random", adaptive=True,
+                                 shapes=((5, 1, 6), (3, 1, 4)))
+    elif mode != "plain":
         kw["speculative"] = spec("eagle", 5, 1, 6)
     else:
         kw["num_scheduler_steps"] = chain
@@ -72,12 +77,20 @@ def run(tiny: Path, mode: str, batch: int, steps: int, chain: int = 8) -> dict:
                                        progress=False, capture=False)
         stub_decode(e.runner.graphs, cfg.vocab_size)
     else:
-        w = e.runner
-        w.slots.hold_both = True
-        w.step_graphs = SpecStepGraphs(w, batch, progress=False, capture=False)
-        stub_spec(w.step_graphs, cfg.vocab_size, cfg.hidden_size)
-        # "... chained": chains of up to `chain` whole-step replays, one sync (run_chain)
-        w.chain_steps = chain if mode.endswith(" chained") else 1
+        workers = (list(e.runner.workers.values()) if mode.startswith("adaptive")
+                   else [e.runner])
+        for w in workers:
+            w.slots.hold_both = True
+            w.step_graphs = SpecStepGraphs(w, batch, progress=False, capture=False)
+            stub_spec(w.step_graphs, cfg.vocab_size, cfg.hidden_size)
+            # "... chained": chains of up to `chain` whole-step replays, one sync (run_chain)
+            w.chain_steps = chain if mode.endswith(" chained") else 1
+        if mode.startswith("adaptive"):
+            from eaglekv.speculative.adaptive import PLAIN, CostTable
+            p = e.runner.policy
+            p.costs = CostTable.fixed({PLAIN: 1.0, "S5K1N6": 1.1, "S3K1N4": 1.5})
+            p.hold_spec = (chain if mode.endswith(" chained") else 1) - 1
+            p.shrink, p.alpha = p.CHAINED
     reqs = warm(e, batch, SamplingParams(max_new_tokens=e.max_context_len - 8, ignore_eos=True))
     ops = count_ops(e.step)
     t = time.perf_counter()
