@@ -9,6 +9,7 @@
 #   bench/h200_issue13.sh next    # the next run's modes (see the case below)
 #   bench/h200_issue13.sh diag    # pg alone and adaptive's step trace (see the case below)
 #   bench/h200_issue13.sh tiles   # the decode kernel's tile (bench/decode_tiles.py)
+#   bench/h200_issue13.sh adaptive  # adaptive against its fixed shapes and plain
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
 #                                 # (the whole suite takes ~7 min on an H100: split it, e.g.
 #                                 # tests/kernels, then tests/speculative tests/engine ...)
@@ -74,6 +75,12 @@ case "${1:-bench}" in
     # 2026-12-06 (ninth session): the prefill graphs alone (pg) for plain, S5 and adaptive, and
     # adaptive's step trace (its rows' phases: choice, tokens and ms a step); no 8B row
     MODES=${MODES:-plain,plain_pg,eagle_chain_S5K1N6,eagle_chain_S5K1N6_pg,eagle_chain_S3K1N4,adaptive,adaptive_pg} \
+      LLAMA8B=${LLAMA8B:-" "} FLOOR=${FLOOR:-0} "$0" bench
+    ;;
+  adaptive)
+    # issue 15 after the chained settings (2026-12-06): adaptive against every fixed shape of
+    # its set and plain, prefill graphs on (the default since); no 8B row
+    MODES=${MODES:-plain,eagle_chain_S5K1N6,eagle_chain_S3K1N4,eagle_tree_S4K2N8,adaptive} \
       LLAMA8B=${LLAMA8B:-" "} FLOOR=${FLOOR:-0} "$0" bench
     ;;
   tiles)
