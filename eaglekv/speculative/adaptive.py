@@ -332,6 +332,12 @@ class AdaptivePolicy:
         self.hold_spec = 3
         self._spec_key, self._spec_left, self._spec_choice = None, 0, None
         self._one_sure = False
+        # hold every whole-batch speculative choice, not only the sure ones (AdaptiveWorker,
+        # where steps chain): a choice made on optimism then runs as a chain too. Held only
+        # when sure, an optimistic S5 ran single steps on an H100 (a sync each, ~1.9 ms
+        # against 1.6 in a chain), and their costs, averaged into S5's cell, made a shallower
+        # shape look surer, so more of S5's steps were optimistic singles (2026-12-06)
+        self.hold_all = False
         self.scalar_one = True         # observe_spec's batch-1 path in scalars (_observe_one)
         self._all_known = None         # (bucket, epoch, chain, table) whose cells are all known
         self._restore(costs.saved_state)
@@ -509,13 +515,19 @@ class AdaptivePolicy:
                 sure = Choice(s, sorted(order[:j].tolist()), sorted(order[j:].tolist()))
         if (best_tc is not None and (best.shape, best.spec) != (sure.shape, sure.spec)
                 and (self.nobs[rows[best.spec], 0] >= FREE_TRIES).all()
-                and not self._afford((best_tc[1] - best_tc[0] / sure_v) * B / per_token)):
+                and not self._afford((best_tc[1] - best_tc[0] / sure_v) * B / per_token
+                                     * self._run_steps())):
             best = sure
         if best.shape is None:         # reuse for the next few tokens of the same batch
             self._plain_key, self._plain_left = key, self.replan_every
-        elif best == sure:             # chosen without the optimism
+        elif best == sure or self.hold_all:    # without the optimism (or any, chained)
             self._hold(key, best)
         return self._chosen(self._refresh(B, best) or best)
+
+    def _run_steps(self) -> int:
+        """Steps a whole-batch speculative choice runs before the next choice (a held one:
+        1 + hold_spec); what an optimistic choice's cost is multiplied by."""
+        return 1 + self.hold_spec if self.hold_all else 1
 
     def held_steps(self) -> int:
         """Steps the choice just made is held beyond this one (the same batch, a sure choice:
@@ -555,9 +567,9 @@ class AdaptivePolicy:
                 sure_v, sure = tokens / cost, Choice(s, [0], [])
         if best_tc is not None and best.shape != sure.shape and self.nobs[row, 0] >= FREE_TRIES:
             tokens, cost = best_tc
-            if not self._afford((cost - tokens / sure_v) / per_token):
+            if not self._afford((cost - tokens / sure_v) / per_token * self._run_steps()):
                 best = sure
-        self._one_sure = best == sure  # chosen without the optimism: may be held
+        self._one_sure = best == sure or self.hold_all     # may be held
         return self._refresh(1, best) or best
 
     def plain_horizon(self, reqs, longest: int) -> int:

@@ -99,6 +99,7 @@ class AdaptiveWorker:
             # (AdaptivePolicy.CHAINED: each request's rates shrunk toward the engine's, and
             # averaged over more steps)
             self.policy.shrink, self.policy.alpha = AdaptivePolicy.CHAINED
+            self.policy.hold_all = True
         self._pages_key, self._pages = None, 0
         self.reset_stats()
 

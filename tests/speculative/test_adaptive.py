@@ -1137,6 +1137,28 @@ def test_a_chain_cell_is_estimated_from_the_nearest_bucket():
 def test_the_worker_uses_the_chained_settings_only_where_steps_chain(tiny_dir):
     eng = adaptive_engine(tiny_dir, costs={PLAIN: 1.0, S3.label: 1.3})
     assert (eng.runner.policy.shrink, eng.runner.policy.alpha) == (0.0, 0.3)
+    assert not eng.runner.policy.hold_all
     eng = adaptive_engine(tiny_dir, costs={PLAIN: 1.0, S3.label: 1.3}, num_scheduler_steps=32)
     assert min(w.chain_steps for w in eng.runner.workers.values()) > 1
     assert (eng.runner.policy.shrink, eng.runner.policy.alpha) == AdaptivePolicy.CHAINED
+    assert eng.runner.policy.hold_all
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_where_steps_chain_an_optimistic_choice_is_held_too(B):
+    """A choice only the optimism makes (S3 at 2.2 tokens for 2.2 plain steps' cost) is
+    held for the next `hold_spec` steps where steps chain (`hold_all`), and its expected cost
+    is counted for all of them against the exploration budget; without `hold_all` it runs
+    one step."""
+    held = {}
+    for hold_all in (False, True):
+        p = AdaptivePolicy([S3], CostTable.fixed({PLAIN: 1.0, CHAIN: 1.0, S3.label: 2.2}))
+        p.hold_spec, p.hold_all = 5, hold_all
+        reqs = [FakeReq() for _ in range(B)]
+        for r in reqs:
+            p.state(r).rates[:] = 0.4           # the optimism alone makes S3 worth a try
+        c = p.choose(reqs, chain=True)
+        assert c.shape == S3 and not c.plain
+        held[hold_all] = p.held_steps()
+        p.consume_held(held[hold_all])
+    assert held == {False: 0, True: 5}
