@@ -276,15 +276,15 @@ class AdaptivePolicy:
     new request used to try S5 four or five times (the `make demo` prompt ran ~10% below
     plain)."""
 
-    # (shrink, alpha) where choices run as chains of whole steps (CUDA graphs: AdaptiveWorker
-    # sets them). On an H100 at batch 1 (2026-12-06, the step traces of
+    # the settings where choices run as chains of whole steps (CUDA graphs: AdaptiveWorker
+    # sets them; hold_all and engine_after below). On an H100 at batch 1 (2026-12-06, the step traces of
     # bench/results/gpu_bench_h100_20261206_diag.json) a request's first chain, over the
     # hardest tokens of its answer, made the policy decode a 16-32 token plain chain and
     # then alternate S3 and S5 chains with single steps between: 0.79x the fixed S5. In
     # eaglekv.testing.adaptive_sim's replay of that (text with easy and hard stretches,
     # the H100's step costs) the policy with (0, 0.3) ran 0.972x the fixed S5 and with
     # (12, 0.15) 0.998x; on text with longer hard stretches 0.972x -> 0.990x.
-    CHAINED = (12.0, 0.15)
+    CHAINED = {"shrink": 12.0, "alpha": 0.15, "hold_all": True, "engine_after": 6}
 
     def __init__(self, shapes: list[Shape], costs: CostTable, prior: float = 0.7,
                  alpha: float = 0.3, alpha_engine: float = 0.05, alpha_prior: float = 0.01,
@@ -299,6 +299,13 @@ class AdaptivePolicy:
         self.max_wait, self.optimism, self.step_weight = max_wait, optimism, step_weight
         self.forget = forget
         self.shrink = shrink
+        # a request's first `engine_after` speculative steps teach its own rates only, not
+        # the engine's (engine_rates, prior): the start of an answer, where the draft has the
+        # least context, is systematically harder (the H100's traces: every request's first
+        # S5 chain accepted ~1 draft a step, ~3.7 later), and at batch 64 sixty-four such
+        # starts at once dragged the engine's averages down far enough that the whole batch
+        # decoded two plain chains (2026-12-06)
+        self.engine_after = 0
         self.explore_budget = explore_budget
         self.explore_spent = 0.0       # plain tokens' worth of time optimistic choices cost
         self.explore_room = 0.0        # EXPLORE_ALLOWANCE per request seen
@@ -712,6 +719,7 @@ class AdaptivePolicy:
         self.probes[at] = np.where(on, np.maximum(0, probes - 1), probes)
         self.on[at] = True
         R, slow, nobs = self.rates[at], self.slow[at], self.nobs[at]          # (m, D) each
+        teach = nobs[:, 0] >= self.engine_after    # the engine learns from these (class doc)
         est = np.minimum.accumulate(R[:, :S], axis=1).sum(1)                  # (m,)
         if a.sum() < 0.5 * est.sum() or m < len(accepted):
             self._spec_left = 0        # a poor (or failed) step: choose again next step
@@ -732,9 +740,11 @@ class AdaptivePolicy:
         nobs[:, :S] += 1
         if not isinstance(at, slice):          # gathered copies: write them back
             self.rates[at], self.slow[at], self.nobs[at] = R, slow, nobs
-        mean = x.mean(0)
-        self.engine_rates[:S] += (1 - (1 - self.alpha_engine) ** w) * (mean - self.engine_rates[:S])
-        self.prior[:S] += (1 - (1 - self.alpha_prior) ** w) * (mean - self.prior[:S])
+        if teach.any():
+            mean = x[teach].mean(0)
+            w = min(int(teach.sum()), self.step_weight)
+            self.engine_rates[:S] += (1 - (1 - self.alpha_engine) ** w) * (mean - self.engine_rates[:S])
+            self.prior[:S] += (1 - (1 - self.alpha_prior) ** w) * (mean - self.prior[:S])
         self.seen = max(self.seen, S)
 
     def _observe_one(self, req, S: int, a: int) -> None:
@@ -752,8 +762,9 @@ class AdaptivePolicy:
             est += run
         if a < 0.5 * est:
             self._spec_left = 0        # a poor step: choose again next step
-        ge = 1 - (1 - self.alpha_engine) ** 1
-        gp = 1 - (1 - self.alpha_prior) ** 1
+        teach = nobs[0] >= self.engine_after
+        ge = 1 - (1 - self.alpha_engine) ** 1 if teach else 0.0
+        gp = 1 - (1 - self.alpha_prior) ** 1 if teach else 0.0
         last = float(rates[S - 1])
         for i in range(S):
             x = 1.0 if a >= i + 1 else 0.0

@@ -96,10 +96,11 @@ class AdaptiveWorker:
         if chains > 1:
             self.policy.hold_spec = max(self.policy.hold_spec, chains - 1)
             # a choice runs for a chain (6 steps of S5 at batch 1): judged on longer averages
-            # (AdaptivePolicy.CHAINED: each request's rates shrunk toward the engine's, and
-            # averaged over more steps)
-            self.policy.shrink, self.policy.alpha = AdaptivePolicy.CHAINED
-            self.policy.hold_all = True
+            # (AdaptivePolicy.CHAINED: each request's rates shrunk toward the engine's and
+            # averaged over more steps, every choice held, the engine's averages taught by
+            # requests past their first chain)
+            for name, value in AdaptivePolicy.CHAINED.items():
+                setattr(self.policy, name, value)
         self._pages_key, self._pages = None, 0
         self.reset_stats()
 

@@ -159,11 +159,10 @@ def compare(requests: int = 40, tokens: int = 256, mech: Mechanics | None = None
     AdaptiveWorker gives it under chains unless `policy_options` says otherwise) against
     each fixed shape and plain chains, over the same texts: their total ms and the ratios."""
     mech = mech or Mechanics()
-    shrink, alpha = AdaptivePolicy.CHAINED       # as AdaptiveWorker sets them under chains
-    opts = {"shrink": shrink, "alpha": alpha, **(policy_options or {})}
-    hold_all = opts.pop("hold_all", True)
-    policy = AdaptivePolicy(list(SHAPES), mech.costs(), **opts)
-    policy.hold_all = hold_all
+    opts = {**AdaptivePolicy.CHAINED, **(policy_options or {})}   # as AdaptiveWorker sets
+    policy = AdaptivePolicy(list(SHAPES), mech.costs())             # them under chains
+    for name, value in opts.items():
+        setattr(policy, name, value)
     policy.hold_spec = max(policy.hold_spec, min(mech.chain_steps(s) for s in SHAPES) - 1)
     fixed = {s.label: sum(run_fixed(s, seed, tokens, mech, text_options)
                           for seed in range(requests))

@@ -1080,12 +1080,14 @@ def test_a_hard_first_chain_does_not_switch_a_good_request_off():
     """The H100's batch-1 costs (eaglekv.testing.adaptive_sim.Mechanics) and an engine whose
     requests accepted ~4.7 tokens a step at S5: a new request's first six S5 steps accept
     one draft each (the hardest tokens of its answer). With the chained settings
-    (`CHAINED`) it stays on S5; reading its own rates alone (shrink 0, alpha 0.3, as before)
-    it went to a shallower shape or plain decoding."""
+    (`CHAINED`) it stays on S5; reading its own rates alone (the defaults: shrink 0, alpha
+    0.3, as before) it went to a shallower shape or plain decoding."""
     from eaglekv.testing.adaptive_sim import SHAPES, Mechanics
     picks = {}
-    for name, (shrink, alpha) in {"chained": AdaptivePolicy.CHAINED, "own": (0.0, 0.3)}.items():
-        p = AdaptivePolicy(list(SHAPES), Mechanics().costs(), shrink=shrink, alpha=alpha)
+    for name, opts in {"chained": AdaptivePolicy.CHAINED, "own": {}}.items():
+        p = AdaptivePolicy(list(SHAPES), Mechanics().costs())
+        for k, v in opts.items():
+            setattr(p, k, v)
         p.engine_rates[:] = p.prior[:] = 0.99 ** np.arange(1, 6) * 0.95
         p.seen = 5
         r = FakeReq()
@@ -1136,12 +1138,14 @@ def test_a_chain_cell_is_estimated_from_the_nearest_bucket():
 
 def test_the_worker_uses_the_chained_settings_only_where_steps_chain(tiny_dir):
     eng = adaptive_engine(tiny_dir, costs={PLAIN: 1.0, S3.label: 1.3})
-    assert (eng.runner.policy.shrink, eng.runner.policy.alpha) == (0.0, 0.3)
-    assert not eng.runner.policy.hold_all
+    p = eng.runner.policy
+    assert (p.shrink, p.alpha, p.hold_all, p.engine_after) == (0.0, 0.3, False, 0)
     eng = adaptive_engine(tiny_dir, costs={PLAIN: 1.0, S3.label: 1.3}, num_scheduler_steps=32)
     assert min(w.chain_steps for w in eng.runner.workers.values()) > 1
-    assert (eng.runner.policy.shrink, eng.runner.policy.alpha) == AdaptivePolicy.CHAINED
-    assert eng.runner.policy.hold_all
+    p = eng.runner.policy
+    assert {k: getattr(p, k) for k in AdaptivePolicy.CHAINED} == AdaptivePolicy.CHAINED
+    assert AdaptivePolicy.CHAINED == {"shrink": 12.0, "alpha": 0.15, "hold_all": True,
+                                      "engine_after": 6}
 
 
 @pytest.mark.parametrize("B", [1, 2])
@@ -1162,3 +1166,29 @@ def test_where_steps_chain_an_optimistic_choice_is_held_too(B):
         held[hold_all] = p.held_steps()
         p.consume_held(held[hold_all])
     assert held == {False: 0, True: 5}
+
+
+@pytest.mark.parametrize("scalar", [True, False])
+def test_a_request_first_steps_teach_only_its_own_rates(scalar):
+    """With `engine_after` = 6 a request's first six speculative steps move its own rates but
+    not the engine's averages (engine_rates, prior); its later ones move both, in the
+    batch-1 scalar path and the vector path alike; requests of a batch past their start
+    teach the engine while the new ones beside them do not."""
+    S5 = Shape(5, 1, 6)
+    p = AdaptivePolicy([S5], CostTable.fixed({PLAIN: 1.0, S5.label: 2.0}))
+    p.engine_after, p.scalar_one = 6, scalar
+    before = (p.engine_rates.copy(), p.prior.copy())
+    r = FakeReq()
+    for _ in range(6):
+        p.observe_spec([r], S5, [0])
+    assert (p.engine_rates == before[0]).all() and (p.prior == before[1]).all()
+    assert p.state(r).rates[0] < 0.7 * before[0][0]
+    p.observe_spec([r], S5, [0])
+    assert (p.engine_rates < before[0]).all() and (p.prior < before[1]).all()
+    q = AdaptivePolicy([S5], CostTable.fixed({PLAIN: 1.0, S5.label: 2.0}))
+    q.engine_after = 6
+    old, new = FakeReq(), FakeReq()
+    q.state(old).nobs[:] = 10
+    start = q.engine_rates.copy()
+    q.observe_spec([old, new], S5, [5, 0])       # only the old one teaches: all accepted
+    assert (q.engine_rates > start).all()
