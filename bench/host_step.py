@@ -90,7 +90,8 @@ def run(tiny: Path, mode: str, batch: int, steps: int, chain: int = 8) -> dict:
             p = e.runner.policy
             p.costs = CostTable.fixed({PLAIN: 1.0, "S5K1N6": 1.1, "S3K1N4": 1.5})
             p.hold_spec = (chain if mode.endswith(" chained") else 1) - 1
-            p.shrink, p.alpha = p.CHAINED
+            for name, value in p.CHAINED.items():
+                setattr(p, name, value)
     reqs = warm(e, batch, SamplingParams(max_new_tokens=e.max_context_len - 8, ignore_eos=True))
     ops = count_ops(e.step)
     t = time.perf_counter()

@@ -250,10 +250,9 @@ class AdaptiveWorker:
             self.policy.observe_spec(sub, shape, acc)
             return res
         self.policy.consume_held(k - 1)
-        for j in range(k):      # a request that stopped before step j is not observed there
-            self.policy.observe_spec(sub, shape,
-                                     [a[j] if a is not None and j < len(a) else None
-                                      for a in acc])
+        # a request that stopped before step j is not observed there
+        self.policy.observe_chain(sub, shape, [[a[j] if a is not None and j < len(a) else None
+                                                for a in acc] for j in range(k)])
         return res
 
     # ---- what a step cost ----------------------------------------------------------------------

@@ -1192,3 +1192,41 @@ def test_a_request_first_steps_teach_only_its_own_rates(scalar):
     start = q.engine_rates.copy()
     q.observe_spec([old, new], S5, [5, 0])       # only the old one teaches: all accepted
     assert (q.engine_rates > start).all()
+
+
+@pytest.mark.parametrize("S,m,after", [(5, 4, 0), (3, 3, 2), (5, 1, 3), (2, 16, 0)])
+def test_a_chain_observed_at_once_equals_its_steps_observed_in_turn(S, m, after):
+    """`observe_chain` (the chain's k steps in one pass) leaves the policy exactly as k
+    `observe_spec` calls do: rates (the deep positions following a shallow shape), slow
+    averages, counts, probes, the engine's averages with requests past and before
+    `engine_after`, the held steps cut by a poor step; and falls back to them for a
+    request that stopped inside the chain."""
+    import copy
+    rng = np.random.default_rng(S * 100 + m)
+    shape = Shape(S, 1, S + 1)
+    base = AdaptivePolicy([Shape(5, 1, 6), shape], CostTable.fixed({PLAIN: 1.0}))
+    base.engine_after, base.scalar_one = after, False
+    reqs = [FakeReq() for _ in range(m)]
+    for r in reqs:
+        st = base.state(r)
+        st.rates[:] = np.sort(rng.uniform(0.2, 1.0, 5))[::-1]
+        st.slow[:] = rng.uniform(0.2, 1.0, 5)
+        st.nobs[:] = rng.integers(0, 4, 5)
+        base.probes[r.row], base.on[r.row] = rng.integers(0, 4), bool(rng.integers(0, 2))
+    for k, acc in ((6, rng.integers(0, S + 1, (6, m))), (4, np.zeros((4, m), int))):
+        a, b = copy.deepcopy(base), copy.deepcopy(base)
+        a._spec_left = b._spec_left = 3
+        steps = acc.tolist()
+        a.observe_chain(reqs, shape, steps)
+        for step in steps:
+            b.observe_spec(reqs, shape, step)
+        for name in ("rates", "slow", "nobs", "probes", "on", "engine_rates", "prior"):
+            np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=1e-12,
+                                       atol=1e-12, err_msg=name)
+        assert (a._spec_left, a.emitted, a.seen) == (b._spec_left, b.emitted, b.seen)
+    stopped = [[1] * m, [2] * (m - 1) + [None]]
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    a.observe_chain(reqs, shape, stopped)
+    for step in stopped:
+        b.observe_spec(reqs, shape, step)
+    np.testing.assert_allclose(a.rates, b.rates)
