@@ -93,6 +93,7 @@ def _chain_engine(tiny_dir, S, K, N, chain):
     w.slots.hold_both = True
     w.step_graphs = SpecStepGraphs(w, 4, progress=False, capture=False)
     w.chain_steps = chain
+    w.budget_cut = False         # whole chains: budgets run out inside them (frozen rows)
     return engine
 
 
@@ -235,3 +236,30 @@ def test_spec_chain_bad_step_and_short_pool(tiny_dir):
     assert engine.allocator.is_full()
     # at least one chain was cut by the free slots alone (budget room for 3 steps)
     assert any(k < 3 and (free - n * 3) // (n * 4) == k for k, n, free in lens)
+
+
+def test_a_chain_is_cut_to_what_the_budgets_need(tiny_dir):
+    """`chain_len` cuts a chain to the steps the batch's longest remaining budget needs at the
+    recent tokens a step (`step_tokens`, an average of the counted steps): replays past
+    every budget would run frozen rows only. None until a step was counted (whole chains);
+    `budget_cut=False` keeps whole chains; the pool's free slots still bound it."""
+    from types import SimpleNamespace
+    engine = _chain_engine(tiny_dir, 3, 1, 4, 6)
+    w = engine.runner
+    w.budget_cut = True
+
+    def req(left):
+        return SimpleNamespace(params=SimpleNamespace(max_new_tokens=100),
+                               output_ids=[0] * (100 - left))
+    assert w.step_tokens is None and w.chain_len([req(5)]) == 6
+    w._count([3, 3])                                  # 4 tokens a step
+    assert w.step_tokens == 4.0
+    assert w.chain_len([req(5)]) == 2                 # ceil(5 / 4)
+    assert w.chain_len([req(4)]) == 1
+    assert w.chain_len([req(4), req(17)]) == 5        # the longest: ceil(17 / 4)
+    assert w.chain_len([req(100)]) == 6 and w.chain_len([req(100)], 3) == 3
+    w._count([0])                                     # 1 token: the average moves a tenth
+    assert w.step_tokens == pytest.approx(3.7)
+    assert w.chain_len([req(5)]) == 2
+    w.budget_cut = False
+    assert w.chain_len([req(5)]) == 6
