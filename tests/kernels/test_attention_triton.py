@@ -385,6 +385,9 @@ def test_default_num_splits():
     assert default_num_splits(1, 3, 100) == 2                          # >= 64 keys a split
     assert default_num_splits(64, 8, 4096) == 1                        # 512 programs already
     assert default_num_splits(8, 3, 4096) == 11                        # 8*3*11 >= 264
+    # a batch is rounded up to a power of two (a graph bucket's count: no compile mid-run)
+    assert [default_num_splits(b, 3, 4096) for b in (5, 6, 7)] == [11] * 3
+    assert default_num_splits(9, 3, 4096) == default_num_splits(16, 3, 4096) == 6
 
 
 def test_no_triton_import_at_module_import():
