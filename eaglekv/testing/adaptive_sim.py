@@ -12,7 +12,8 @@ adaptive rows' step traces, prefill graphs on): an S5 chain of six steps took ~1
 chain of eight ~8.1 ms, a plain chain of 32 tokens ~19.4 ms, a single S5 step ~2.0 ms, and
 the draft's catch-up over 32 plain tokens ~3 ms (~2 ms over 16).
 
-    python -m eaglekv.testing.adaptive_sim          # adaptive / fixed S5 and S3 over 40 requests
+    python -m eaglekv.testing.adaptive_sim   # adaptive against the fixed shapes and plain, 40
+                                             # requests of 256 tokens, six kinds of text
 """
 
 from __future__ import annotations
@@ -182,5 +183,19 @@ def compare(requests: int = 40, tokens: int = 256, mech: Mechanics | None = None
 
 
 if __name__ == "__main__":
+    import datetime
     import json
-    print(json.dumps(compare(), indent=1))
+    import sys
+    texts = {"bench-like": {}, "longer-dips": dict(hard_run=10, easy_run=60),
+             "flat": dict(q_hard=0.99, hard_start=0), "poor": dict(q_easy=0.5, q_hard=0.3),
+             "random": dict(q_easy=0.05, q_hard=0.05), "collapse-at-100": dict(collapse_at=100)}
+    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": "host only: a replay of the policy with the H100's batch-1 step costs",
+           "command": "python -m eaglekv.testing.adaptive_sim " + " ".join(sys.argv[1:]),
+           "settings": {"as shipped under chains": {}, "before 2026-12-06": {
+               "shrink": 0.0, "alpha": 0.3, "hold_all": False, "engine_after": 0}},
+           "results": {}}
+    for name, opts in out["settings"].items():
+        out["results"][name] = {t: compare(policy_options=opts, text_options=kw)
+                                for t, kw in texts.items()}
+    print(json.dumps(out, indent=1))
