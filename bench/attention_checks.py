@@ -100,18 +100,25 @@ def graph_of(kind: str, B: int, variant: str):
     # every variant defers its checks to a step's sync (none happens inside the capture); the
     # unchecked one also compiles the kernels without them
     with guard.kv_guard("cuda").step(), (guard.unchecked() if level == 0 else nullcontext()):
-        for _ in range(3):
-            if prologue:
-                prologue()
-            fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            if prologue:
-                prologue()
-            for _ in range(LAYERS):
-                fn()
+        g = capture(fn, prologue)
     guard.kv_guard("cuda").calls.clear()
+    return g
+
+
+def capture(fn, prologue=None) -> torch.cuda.CUDAGraph:
+    """A forward's attention: `prologue` once, then `fn` for each of LAYERS layers, warmed
+    up (three eager runs) and captured in one CUDA graph."""
+    for _ in range(3):
+        if prologue:
+            prologue()
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        if prologue:
+            prologue()
+        for _ in range(LAYERS):
+            fn()
     return g
 
 

@@ -23,11 +23,12 @@ import sys
 
 import torch
 
+from attention_checks import capture, time_graph    # bench/: 30 layers a graph, us a layer
 from eaglekv.kernels import attention_triton as at
 from eaglekv.kernels import guard
 from eaglekv.kernels.attention import decode_attention, default_num_splits
 
-H, HKV, D, LAYERS = 9, 3, 64, 30
+H, HKV, D = 9, 3, 64
 
 
 def variants() -> dict[str, tuple[int | None, int, int, int | None]]:
@@ -61,24 +62,9 @@ def graph_of(B: int, ctx: int, cfg) -> torch.cuda.CUDAGraph:
         decode_attention(q, kb, vb, table, start, lens, D ** -0.5, size_limit=slots,
                          num_splits=n, out=out, checked=False)
     with guard.kv_guard("cuda").step(), guard.unchecked():
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(LAYERS):
-                fn()
+        graph = capture(fn)
     guard.kv_guard("cuda").calls.clear()
     return graph
-
-
-def time_graph(g) -> float:
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) * 1e3 / LAYERS        # us a layer
 
 
 def main() -> None:

@@ -746,21 +746,27 @@ def test_decode_merge_in_the_decode_launch(fused, monkeypatch):
     launch (a graph replay starts from zeros)."""
     from eaglekv.kernels import attention_triton as at
     monkeypatch.setattr(at, "FUSED_DECODE_MERGE", fused)
-    g = torch.Generator().manual_seed(41)
+    for splits in _decode_splits_equal_the_reference(41, [70, 1, 0, 5], (1, 2, 3, 16)):
+        if fused and splits > 1:
+            assert not at.decode_tickets(torch.device(DEV))[:4 * 3].any()
+    test_decode_bad_slot("limit", 3)
+
+
+def _decode_splits_equal_the_reference(seed, lens, split_counts):
+    """SmolLM2's heads (9 query, 3 kv, 64 dims), fp32, one sequence a length of `lens`:
+    the decode at each split count equals the reference (yields the count after each)."""
+    g = torch.Generator().manual_seed(seed)
     H, hkv, D = 9, 3, 64
-    lens = [70, 1, 0, 5]
     table, start, rows = paged_table(lens, 1, g)
     kb, vb = kv_buffers(rows, hkv, D, torch.float32, g)
-    q = torch.randn(4, H, D, generator=g)
+    q = torch.randn(len(lens), H, D, generator=g)
     kv_len = torch.tensor(lens)
     ref = decode_attention_torch(q, kb, vb, table, start, kv_len, 0.125, size_limit=rows)
-    for splits in (1, 2, 3, 16):
+    for splits in split_counts:
         out = decode_attention(*to_dev(q, kb, vb, table, start, kv_len), 0.125,
                                size_limit=rows, num_splits=splits)
         close(out, ref, torch.float32)
-        if fused and splits > 1:
-            assert not at.decode_tickets(torch.device(DEV))[:4 * hkv].any()
-    test_decode_bad_slot("limit", 3)
+        yield splits
 
 
 @pytest.mark.parametrize("tile", [(None, 4, 0), (32, 4, 64), (128, 8, 16), (16, 2, 40)],
@@ -775,16 +781,5 @@ def test_decode_tiles_equal_the_reference(tile, monkeypatch):
     monkeypatch.setattr(at, "DECODE_BLOCK_N", block_n)
     monkeypatch.setattr(at, "DECODE_WARPS", warps)
     monkeypatch.setattr(at, "DECODE_MIN_CHUNK", min_chunk)
-    g = torch.Generator().manual_seed(43)
-    H, hkv, D = 9, 3, 64
-    lens = [150, 1, 0, 37]
-    table, start, rows = paged_table(lens, 1, g)
-    kb, vb = kv_buffers(rows, hkv, D, torch.float32, g)
-    q = torch.randn(4, H, D, generator=g)
-    kv_len = torch.tensor(lens)
-    ref = decode_attention_torch(q, kb, vb, table, start, kv_len, 0.125, size_limit=rows)
-    for splits in (1, 3, 8):
-        out = decode_attention(*to_dev(q, kb, vb, table, start, kv_len), 0.125,
-                               size_limit=rows, num_splits=splits)
-        close(out, ref, torch.float32)
+    assert list(_decode_splits_equal_the_reference(43, [150, 1, 0, 37], (1, 3, 8))) == [1, 3, 8]
     test_decode_bad_slot("limit", 3)
