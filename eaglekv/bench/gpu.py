@@ -309,8 +309,11 @@ def timed_generate(engine: Engine, ps: list[list[int]], n: int,
             now = sum(len(r.output_ids) for r in reqs)
             last = policy.last
             label = "-" if last is None else last.label + ("?" if last.explore else "")
-            trace.append([label, now - made,
-                          round(1e3 * walls[-1], 3)])
+            # and the drafts the engine's fast and slow averages expect a deepest-shape step
+            # to accept (what a new request's choice starts from)
+            trace.append([label, now - made, round(1e3 * walls[-1], 3),
+                          round(float(np.minimum.accumulate(policy.engine_rates).sum()), 2),
+                          round(float(np.minimum.accumulate(policy.prior).sum()), 2)])
             made = now
         if first is None and all(r.output_ids for r in reqs[:c]):
             first = len(walls)
@@ -333,7 +336,7 @@ def timed_generate(engine: Engine, ps: list[list[int]], n: int,
               "decode_step_ms_p90": 1e3 * decode[int(0.9 * (len(decode) - 1))],
               "decode_step_ms_max": 1e3 * decode[-1],
               "other_ms": 1e3 * (dt - sum(walls))}
-    if policy is not None:   # [choice of the step's last decision, tokens made, ms] a step
+    if policy is not None:   # [the step's choice, tokens made, ms, engine / prior drafts] a step
         phases["step_trace"] = trace
     return len(ps) * n / dt, [o.token_ids for o in outs], phases
 

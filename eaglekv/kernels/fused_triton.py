@@ -654,9 +654,7 @@ def rope_store_qkv_triton(qkv, cos, sin, positions, k_cache, v_cache, out_cache_
                                                    size_limit, layer, "rope_store_qkv")
     pb = _pow2(D // 2)
     nh = num_heads + 2 * num_kv_heads
-    # heads a program: at most ROPE_TILE elements, and at least ROPE_MIN_PROGRAMS programs
-    # where the tokens are few (one program for the 8B shape's 48 heads at batch 1 took 8.5 us)
-    hb = max(1, min(_pow2(nh), ROPE_TILE // pb, _pow2(max(1, nh * T // ROPE_MIN_PROGRAMS))))
+    hb = rope_heads_per_program(nh, pb, T)
     args = (qkv, qkv.stride(0), qkv.stride(1), qkv.stride(2), cos, cos.stride(0), cos.stride(1),
             sin, sin.stride(0), sin.stride(1), positions, positions.stride(0), out_cache_loc,
             out_cache_loc.stride(0), q, k_cache, v_cache, guard.err, pos_call, slot_call,
@@ -670,3 +668,13 @@ def rope_store_qkv_triton(qkv, cos, sin, positions, k_cache, v_cache, out_cache_
 
 
 _ROPE_STORE_QKV = CachedLaunch(_rope_store_qkv_kernel)
+
+
+def rope_heads_per_program(nh: int, pb: int, T: int) -> int:
+    """Heads a rope_store_qkv program (a constant of the compiled kernel): at most ROPE_TILE
+    elements, and at least ROPE_MIN_PROGRAMS programs where the tokens are few (one program
+    for the 8B shape's 48 heads at batch 1 took 8.5 us). T counts as the power of two at or
+    above it, as the graphs' buckets do: an eager forward of an odd size (an adaptive step's
+    plain part) takes a class a captured bucket compiled."""
+    return max(1, min(_pow2(nh), ROPE_TILE // pb,
+                      _pow2(max(1, nh * _pow2(T) // ROPE_MIN_PROGRAMS))))

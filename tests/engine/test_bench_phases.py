@@ -83,6 +83,7 @@ def test_timed_generate_traces_an_adaptive_engine_step_by_step(tiny_dir):
     assert sum(t[1] for t in trace) == len(PROMPTS) * n
     assert sum(t[2] for t in trace) == pytest.approx(ph["prefill_ms"] + ph["decode_ms"],
                                                      abs=1e-3 * len(trace))
+    assert all(len(t) == 5 and 0 <= t[3] <= 3 and 0 <= t[4] <= 3 for t in trace)   # S3: <= 3
     labels = {t[0].rstrip("?") for t in trace[ph["prefill_steps"]:]}
     assert labels <= {"plain", "S3K1N4", "S3K1N4+plain"}, labels
     _, _, plain_ph = timed_generate(tiny_engine(tiny_dir), PROMPTS, n)

@@ -741,3 +741,16 @@ def test_rope_store_unchecked_equals_checked(dtype):
     assert all(torch.equal(a, b) for a, b in zip(bare, checked))
     again = run_rope(rope_store_qkv, qkv, cos, sin, pos, loc, kc, vc, 9, 3)  # checked again
     assert all(torch.equal(a, b) for a, b in zip(again, checked))
+
+
+def test_rope_heads_per_program_follow_the_batch_buckets():
+    """The heads a rope_store_qkv program takes depend on the token count only through its
+    power-of-two bucket (no compile mid-run for an odd eager batch), and keep a small batch
+    on at least ROPE_MIN_PROGRAMS programs within ROPE_TILE elements each."""
+    from eaglekv.kernels.fused_triton import ROPE_TILE, rope_heads_per_program
+    nh, pb = 15, 32                                   # SmolLM2: 9 + 2 * 3 heads, 64 dims
+    for T in range(1, 300):
+        b = 1 << (T - 1).bit_length()
+        assert rope_heads_per_program(nh, pb, T) == rope_heads_per_program(nh, pb, b)
+    assert [rope_heads_per_program(nh, pb, T) for T in (1, 2, 3, 4, 8, 256)] == [1, 4, 8, 8, 16, 16]
+    assert rope_heads_per_program(48 + 16, 64, 1) * 64 <= ROPE_TILE
