@@ -921,13 +921,16 @@ def test_held_choices_run_as_speculative_chains(tiny_dir, monkeypatch):
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests capture the real graphs")
-def test_held_chains_of_a_batch_with_uneven_budgets(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("chained", [False, True], ids=["per-step", "chained"])
+def test_held_chains_of_a_batch_with_uneven_budgets(tiny_dir, monkeypatch, chained):
     """Three requests with different budgets speculating as one batch, the held steps chained
     (capture=False replays of the step graphs): a request whose budget runs out inside a
     chain is frozen there (a padded row from then on, its draft list left in place, which
     the CPU's packed-segment check allows) while the others go on. Greedy equals plain
     decoding token for token, every request stops at its own budget, and the allocator is
-    back to full. (The CPU check refused the frozen row's list until 2026-12-05.)"""
+    back to full, with the per-step settings and with the GPU's chained ones (observed in one
+    pass, every choice held, chains cut to the budgets). (The CPU check refused the frozen
+    row's list until 2026-12-05.)"""
     from eaglekv.speculative.graphs import SpecStepGraphs
     monkeypatch.setenv("EAGLEKV_TRITON_ON_CPU", "1")
     budgets = [9, 16, 13]
@@ -944,6 +947,9 @@ def test_held_chains_of_a_batch_with_uneven_budgets(tiny_dir, monkeypatch):
         worker.step_graphs = SpecStepGraphs(worker, 4, progress=False, capture=False)
         worker.chain_steps = 4
     w.policy.hold_spec = 3
+    if chained:      # the GPU's settings (AdaptivePolicy.CHAINED): observe_chain's one pass
+        for name, value in AdaptivePolicy.CHAINED.items():
+            setattr(w.policy, name, value)
     g = w.workers[S3].step_graphs
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
             for p, n in zip(PROMPTS[:3], budgets)]
