@@ -282,8 +282,9 @@ class AdaptivePolicy:
     # hardest tokens of its answer, made the policy decode a 16-32 token plain chain and
     # then alternate S3 and S5 chains with single steps between: 0.79x the fixed S5. In
     # eaglekv.testing.adaptive_sim's replay of that (text with easy and hard stretches,
-    # the H100's step costs) the policy with (0, 0.3) ran 0.972x the fixed S5 and with
-    # (12, 0.15) 0.998x; on text with longer hard stretches 0.972x -> 0.990x.
+    # the H100's step costs) the policy as it was ran 0.972x the fixed S5 and with these
+    # 1.000x; on text with longer hard stretches 0.972x -> 0.984x
+    # (bench/results/adaptive_sim_cpu_20261206.json).
     CHAINED = {"shrink": 12.0, "alpha": 0.15, "hold_all": True, "engine_after": 6}
 
     def __init__(self, shapes: list[Shape], costs: CostTable, prior: float = 0.7,
@@ -416,17 +417,22 @@ class AdaptivePolicy:
 
     def _own(self, rows: np.ndarray) -> np.ndarray:
         """(n, D) the requests' rates as the choice reads them: each position's average
-        shrunk toward the engine's slow average `prior` as if that were `shrink` more drafts
-        of the request's own, rate = (nobs * own + shrink * prior) / (nobs + shrink) (the
-        empirical-Bayes estimate of a request's acceptance from few drafts: a request's first
-        chain, often over the hardest tokens of its answer, cannot outweigh what every
-        request before it showed; a request whose drafts keep failing outweighs it after a
-        few steps)."""
+        shrunk toward the engine's slow average `prior` as if that were w more drafts of the
+        request's own, rate = (nobs * own + w * prior) / (nobs + w), w = shrink *
+        (shrink / (shrink + nobs))**2 (the empirical-Bayes estimate of a request's acceptance
+        from few drafts, the prior's weight fading as the request's own drafts accumulate:
+        12 drafts' worth at the start, 3 after 12 of its own, 1.3 after 24). A request's
+        first chain, often over the hardest tokens of its answer, cannot outweigh what every
+        request before it showed; one whose drafts keep failing outweighs it after about two
+        chains (a constant weight of 12 kept a collapsed request speculating for 21 steps in
+        `test_switches_off_and_back_on_as_acceptance_changes`, against 13 now and 8 without
+        shrinking)."""
         R = self.rates[rows]
         if self.shrink <= 0:
             return R
         n = self.nobs[rows]
-        return (n * R + self.shrink * self.prior) / (n + self.shrink)
+        w = self.shrink * (self.shrink / (self.shrink + n)) ** 2
+        return (n * R + w * self.prior) / (n + w)
 
     def expected(self, rates: np.ndarray, shape: Shape) -> float:
         """Expected accepted draft tokens under `shape` (rates made non-increasing)."""

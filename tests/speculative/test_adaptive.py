@@ -456,15 +456,21 @@ def test_the_catch_up_is_charged_to_plain_decoding(tiny_dir):
     eng.check_memory()
 
 
-def test_switches_off_and_back_on_as_acceptance_changes(tiny_dir, reference):
+@pytest.mark.parametrize("chained", [False, True], ids=["per-step", "chained"])
+def test_switches_off_and_back_on_as_acceptance_changes(tiny_dir, reference, chained):
     """A drafter right for 12 tokens, wrong for the next 30, then right again: speculation
-    stops during the wrong stretch and resumes after it; the output is plain greedy's."""
+    stops during the wrong stretch and resumes after it; the output is plain greedy's. With
+    the per-step settings (CPU) and with the chained ones (AdaptivePolicy.CHAINED, the GPU's,
+    here without chains: the rates shrunk toward the engine's, averaged longer)."""
     wrong = lambda j: 12 <= j < 42                                      # noqa: E731
     ref = tiny_engine(tiny_dir).generate([PROMPTS[0]], SamplingParams(max_new_tokens=110,
                                                                       ignore_eos=True))[0]
     eng = adaptive_engine(tiny_dir, costs={PLAIN: 1.0, "S3K1N4": 1.6},
                           drafter=ScriptedDrafter(oracle(PROMPTS[:1], [ref.token_ids], wrong),
                                                   256))
+    if chained:
+        for name, value in AdaptivePolicy.CHAINED.items():
+            setattr(eng.runner.policy, name, value)
     req = eng.add_request(PROMPTS[0], SamplingParams(max_new_tokens=110, ignore_eos=True))
     trace = []                                      # (output index at the step, choice)
     while eng.has_unfinished():
@@ -1068,8 +1074,8 @@ def test_batch_1_with_the_horizon_stays_near_the_best_fixed_shape():
 
 # ---- choices that run as chains (CUDA graphs): shrunk rates, chain costs from a neighbour ------
 def test_a_request_rates_shrink_toward_the_engine_prior():
-    """With `shrink` s the choice reads rate = (nobs * own + s * prior) / (nobs + s) at each
-    position; s = 0 reads the request's own rates."""
+    """With `shrink` s the choice reads rate = (nobs * own + w * prior) / (nobs + w) at each
+    position, w = s * (s / (s + nobs))**2; s = 0 reads the request's own rates."""
     p = AdaptivePolicy([S3], CostTable.fixed({PLAIN: 1.0, S3.label: 1.5}), shrink=12.0)
     r = FakeReq()
     st = p.state(r)
@@ -1077,7 +1083,9 @@ def test_a_request_rates_shrink_toward_the_engine_prior():
     st.rates[:] = 0.2
     st.nobs[:] = [12, 4, 0]
     rows = p._rows([r])
-    assert p._own(rows)[0] == pytest.approx([0.55, (0.8 + 10.8) / 16, 0.9])
+    assert p._own(rows)[0] == pytest.approx([(2.4 + 3 * 0.9) / 15,           # w = 3
+                                             (0.8 + 6.75 * 0.9) / 10.75,     # w = 6.75
+                                             0.9])                           # w = 12
     p.shrink = 0.0
     assert p._own(rows)[0] == pytest.approx([0.2, 0.2, 0.2])
 
