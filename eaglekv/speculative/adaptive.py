@@ -31,7 +31,9 @@ engine-wide estimate it starts from says (that estimate can be far off: in issue
 run it put S5's accept length at 1.55 where S5 accepts 4.7, and batch 1 stayed plain).
 
 Lossless whatever it chooses: the choice of step t is a function of the steps before t only
-(their measured times and their acceptance counts), never of step t's random draws. Given
+(their measured times and their acceptance counts), never of step t's random draws. (Under
+CUDA graphs it is made while step t - 1 runs on the device, from the steps before t - 1:
+AdaptiveWorker._while_device.) Given
 that history, plain sampling emits exactly the target distribution, and so does speculative
 sampling with any draft shape (the rejection rule is exact for any proposal). So every
 step's tokens, conditioned on the past, follow the target distribution, and by induction the

@@ -60,6 +60,9 @@ class EagleWorker:
         # that rate (chain_len); None until a step was counted
         self.step_tokens: float | None = None
         self.budget_cut = True           # False: whole chains (tests of the frozen rows)
+        # host work to run while a whole-step replay (or chain) is on the device, before its
+        # sync: called with the steps replayed (AdaptiveWorker's policy; None: nothing)
+        self.before_sync = None
         self.target = ModelRunner(res, prefill_graphs=self._prefill_graphs(res, drafter))
         self.loop = DraftLoop(drafter, self.S, self.K)
         self.slots = DraftSlots(res, drafter, spec)
@@ -299,6 +302,8 @@ class EagleWorker:
         # the draft slots are the replay's scratch: they go back to the books while the device
         # works (only the host allocates, and not before this step's sync)
         self.res.allocator.free(torch.cat(owned))
+        if self.before_sync is not None:      # the device is busy with the replays: host
+            self.before_sync(k)               # work here is hidden behind them
         host = host_t.tolist()                                                    # the sync
         self.timings["verify"] += time.perf_counter() - t0    # the whole step, one replay
         if k > 1:

@@ -991,6 +991,55 @@ def test_a_chain_whose_requests_keep_different_step_counts_is_observed_per_step(
     assert seen == [("held", 2), [3, 2, None], [1, None, None], [2, None, None]]
 
 
+def test_the_policy_works_while_the_replay_runs_one_step_late(tiny_dir):
+    """A whole-batch speculative step that runs as a replay calls the worker's `before_sync`
+    between launching and syncing: there the previous step's acceptance is observed and the
+    next step chosen (`_while_device`). The next engine step of the same batch uses that
+    choice without choosing again (none of the policy's work between two replays); a
+    changed batch drops it (not counted), observes what was deferred, then chooses."""
+    from eaglekv.core import StepResult
+    eng = adaptive_engine(tiny_dir, costs={PLAIN: 1.0, S3.label: 1.3}, max_running_requests=3)
+    w = eng.runner
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=40)) for p in PROMPTS[:3]]
+    for r in reqs:
+        r.draft_state = None              # no catch-up: the fake worker below drafts nothing
+    events, chains = [], iter([[[2, 1], [3, 3], [0, 1]], [[1, 1], [2, 0], [1, 1]],
+                               [[3, 3], [1, 2]]])
+    worker = w.workers[S3]
+
+    def fake_decode(sub, max_chain=None):   # as EagleWorker._decode_graph does
+        events.append(("launch", len(sub)))
+        if worker.before_sync is not None:
+            worker.before_sync(2)
+        events.append("sync")
+        acc = next(chains)
+        return StepResult(tokens=[[1, 1, 1]] * len(sub), logprobs=[None] * len(sub),
+                          failed=[False] * len(sub), accepted=acc, kv_advance=[0] * len(sub),
+                          last_slots=[0] * len(sub), draft_tokens=[3] * len(sub))
+    worker.decode = fake_decode
+    pol = w.policy
+    observe = pol.observe_chain
+    pol.choose = lambda rs, chain=False: (events.append(("choose", len(rs))), pol._chosen(
+        Choice(S3, list(range(len(rs))), [])))[1]     # the whole batch speculates
+    pol.observe_chain = lambda rs, shape, acc: (events.append(("observe", len(rs), acc)),
+                                                observe(rs, shape, acc))[1]
+    whole = lambda c: c.shape == S3 and not c.plain    # noqa: E731
+    w.decode(reqs)
+    assert whole(pol.last)
+    first = pol.last
+    w.decode(reqs)
+    assert whole(pol.last) and pol.last is not first      # this step's, not the next one's
+    assert events == [("choose", 3), ("launch", 3), ("choose", 3), "sync",
+                      ("launch", 3),            # the choice made during the first replay
+                      ("observe", 3, [[2, 3, 0], [1, 3, 1]]), ("choose", 3), "sync"]
+    assert sum(pol.counts.values()) == 3        # two steps run, one choice made ahead
+    del events[:]
+    w.decode(reqs[:2])                          # one request left: the ahead choice dropped
+    assert events[:3] == [("observe", 3, [[1, 2, 1], [1, 0, 1]]), ("choose", 2),
+                          ("launch", 2)], events
+    assert sum(pol.counts.values()) == 4        # three steps run, one choice made ahead
+
+
 # ---- how long an all-plain step at batch 1 decodes ------------------------------------------------
 # bench/results/gpu_bench_h100_20261205d_next.json: adaptive's batch-1 cost table on an H100
 H100_B1_MS = {CHAIN: 0.833, PLAIN: 1.2, "S3K1N4": 2.206, "S5K1N6": 2.506, "S4K2N8": 2.797}
