@@ -96,9 +96,11 @@ class AdaptiveWorker:
             costs = CostTable(cost_cache_path(self.identity()),
                               drop_first=res.device.type == "cuda")
         self.policy = AdaptivePolicy(shapes, costs)
-        # where the shapes' steps chain (CUDA graphs), a sure choice holds as many steps as
-        # the shortest chain takes, so the held steps run as one chain
-        chains = min(w.chain_steps for w in self.workers.values())
+        # where the shapes' steps chain (CUDA graphs), a choice holds as many steps as the
+        # longest chain takes, so the held steps run as one chain (each worker cuts it to its
+        # own: 6 steps of S5, 5 of S6; held only for the shortest, S5 ran chains of 5 beside
+        # S6 trees, 0.92x the fixed S5 with the EAGLE-3 head on an H100 at batch 1, 2026-12-06)
+        chains = max(w.chain_steps for w in self.workers.values())
         if chains > 1:
             self.policy.hold_spec = max(self.policy.hold_spec, chains - 1)
             # a choice runs for a chain (6 steps of S5 at batch 1): judged on longer averages
@@ -265,7 +267,7 @@ class AdaptiveWorker:
         worker = self.workers[shape]
         hid = []            # the steps the replay ran, when the hook ran
         if overlap:
-            worker.before_sync = lambda k: (hid.append(k), self._while_device(sub, k))
+            worker.before_sync = lambda k: (hid.append(k), self._while_device(sub, max_chain))
         try:
             res = worker.decode(sub, max_chain)
         finally:
@@ -280,7 +282,7 @@ class AdaptiveWorker:
             observe = lambda: self.policy.observe_spec(sub, shape, acc)     # noqa: E731
         else:
             if not hid:     # (the hook consumed the held steps before choosing ahead)
-                self.policy.consume_held(k - 1)
+                self.policy.consume_held(max_chain - 1)
             # a request that stopped before step j is not observed there
             per_step = [[a[j] if a is not None and j < len(a) else None for a in acc]
                         for j in range(k)]
@@ -293,16 +295,18 @@ class AdaptiveWorker:
         return res
 
     # ---- the policy's work beside the device's -------------------------------------------------
-    def _while_device(self, reqs, steps: int) -> None:
-        """Run while a whole-batch replay of `steps` steps is on the device (EagleWorker's
-        `before_sync`): observe the previous step's acceptance (`_deferred`), then choose the
+    def _while_device(self, reqs, offered: int) -> None:
+        """Run while a whole-batch replay is on the device (EagleWorker's `before_sync`; it
+        was offered `offered` steps, the held ones consumed whether the worker's chain ran
+        them all or was cut shorter): observe the previous step's acceptance (`_deferred`),
+        then choose the
         next step for the same batch (`_ahead`, used if the batch is unchanged). On an H100 the
         policy's host work between two chains was 0.4 ms at batch 1 and 0.9 ms at batch 4
         with the device idle (2026-12-06: adaptive 9.9 / 10.9 ms a chain where the fixed S5
         took 9.5 / 10.0). The choice is then made from the acceptance of the steps before the
         one just replayed, still a function of the past only (lossless, adaptive.py)."""
         self._flush()
-        self.policy.consume_held(steps - 1)
+        self.policy.consume_held(offered - 1)
         chain = self._can_chain(reqs)
         self._ahead = (tuple(r.rid for r in reqs), chain, self.policy.choose(reqs, chain=chain))
 

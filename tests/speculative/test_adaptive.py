@@ -1209,6 +1209,12 @@ def test_the_worker_uses_the_chained_settings_only_where_steps_chain(tiny_dir):
     assert {k: getattr(p, k) for k in AdaptivePolicy.CHAINED} == AdaptivePolicy.CHAINED
     assert AdaptivePolicy.CHAINED == {"shrink": 12.0, "alpha": 0.15, "hold_all": True,
                                       "engine_after": 6}
+    # a choice is held for the longest chain of the shapes: S5 chains 6 steps beside S6's 5
+    eng = adaptive_engine(tiny_dir, shapes=((5, 1, 6), (6, 2, 8)), num_scheduler_steps=32,
+                          costs={PLAIN: 1.0, "S5K1N6": 1.3, "S6K2N8": 1.5})
+    steps = {s.label: w.chain_steps for s, w in eng.runner.workers.items()}
+    assert steps == {"S5K1N6": 6, "S6K2N8": 5}
+    assert eng.runner.policy.hold_spec == 5
 
 
 @pytest.mark.parametrize("B", [1, 2])
