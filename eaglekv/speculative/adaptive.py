@@ -591,44 +591,50 @@ class AdaptivePolicy:
         """How many tokens an all-plain step of `reqs` chosen just now should decode before
         the batch is chosen for again (the length of its chain, at most `longest`).
 
-        Batch 1, the latency case: a request waiting out a backoff decodes its wait; one
-        chosen plain on its estimates decodes until the drift of its rates back toward its
-        slow average (`observe_plain`: 1 - (1 - beta)^n of the way after n tokens) would make
+        A batch whose every request waits out a backoff decodes the shortest wait; else one
+        chosen plain on its estimates decodes until the drift of its rates back toward their
+        slow averages (`observe_plain`: 1 - (1 - beta)^n of the way after n tokens) would make
         a shape pay again, the first of n = 1, 2, 4, ... that does, or `longest` if none
-        does: a dip in a good request's acceptance costs a few plain tokens, not a whole
-        chain of 32 (an H100 run at batch 1 spent about 30 tokens a request in one such
-        chain, 0.76x the fixed S5's speed). Larger batches keep `longest`: a chain's sync is
-        shared by all their requests, and any one of them would cut it short. Lossless like
-        the choice: a function of the past steps' acceptance only."""
-        if len(reqs) != 1 or longest <= 1:
+        does: a dip in good requests' acceptance costs a few plain tokens, not a whole chain
+        of 32. At batch 1 on an H100 one such chain cost about 30 tokens a request (0.76x the
+        fixed S5's speed); at batch 64 (2026-12-06, the EAGLE-3 head) the start of 64 answers,
+        the hardest tokens for the draft, made the batch decode a 32-token plain chain (36 ms)
+        where S5 then accepted 4 drafts a step again (~16 ms for those tokens). A batch is
+        judged by its requests' mean rates (the waiting ones left out). Lossless like the
+        choice: a function of the past steps' acceptance only."""
+        if longest <= 1:
             return max(longest, 1)
-        row = int(self._rows(reqs)[0])
-        wait = int(self.wait[row])
-        if wait > 0:
-            return min(wait, longest)
-        per_token = self._cost_curve(PLAIN, 1)[1]
-        chain = self.costs.get(CHAIN, 1)
+        B = len(reqs)
+        rows = self._rows(reqs)
+        wait = self.wait[rows]
+        if (wait > 0).all():
+            return min(int(wait.min()), longest)
+        per_token = self._cost_curve(PLAIN, B)[B]
+        chain = self.costs.get(CHAIN, B)
         if chain is not None:
-            per_token = chain + self.catch_up_cost(1)
-        rates, slow = self._own(np.array([row]))[0], self.slow[row]
+            per_token = chain + self.catch_up_cost(B)
+        live = rows[wait <= 0]
+        rates, slow = self._own(live).mean(0), self.slow[live].mean(0)
         n = 1
         while n < longest:
             drifted = rates + (1 - (1 - self.beta) ** n) * (slow - rates)
-            if self._spec_value_one(self._extrapolated(drifted[None, :])[0]) > 1 / per_token:
-                return n
+            if self._spec_value(self._extrapolated(drifted[None, :])[0], B) > B / per_token:
+                break
             n *= 2
-        return longest
+        n = min(n, longest)
+        self._plain_left = min(self._plain_left, n)     # the batch is chosen for after it
+        return n
 
-    def _spec_value_one(self, rates: np.ndarray) -> float:
-        """Batch 1: the best shape's expected tokens per second with these rates, without
-        the optimism (`_choose_one`'s sure value)."""
+    def _spec_value(self, rates: np.ndarray, B: int = 1) -> float:
+        """The best shape's expected tokens per second for a step of B requests with these
+        rates each, without the optimism (at batch 1 `_choose_one`'s sure value)."""
         run, total, sums = float("inf"), 0.0, []
         for r in rates.tolist():
             run = min(run, r)
             total += run
             sums.append(total)
-        return max((1 + min(self.corr[s] * sums[s.S - 1], s.S)) / self._cost_curve(s.label, 1)[1]
-                   for s in self.shapes)
+        return max(B * (1 + min(self.corr[s] * sums[s.S - 1], s.S))
+                   / self._cost_curve(s.label, B)[B] for s in self.shapes)
 
     def catch_up_cost(self, n: int) -> float:
         """Seconds a plainly decoded token of each of n requests costs later, when the draft

@@ -7,8 +7,8 @@ features kept) for the others. When the whole batch decodes plainly, is greedy w
 penalties or logprobs and fits a decode graph, the plain step decodes a chain of up to
 `EngineConfig.num_scheduler_steps` tokens in one engine step (ModelRunner.run_chain: the
 graph replayed k times, one sync), as plain decoding does; the policy then costs it per token.
-At batch 1 the chain is as long as the policy's `plain_horizon` (a dip in a good request's
-acceptance costs a few plain tokens, not a whole chain).
+The chain is as long as the policy's `plain_horizon` (a dip in good requests' acceptance
+costs a few plain tokens, not a whole chain).
 
 A request that decodes plainly leaves its draft behind: its `draft_state` becomes a `Lag`
 holding the draft inputs of the positions it decoded (token p + 1; the target feature of p is

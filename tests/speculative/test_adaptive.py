@@ -1056,8 +1056,7 @@ def h100_policy() -> AdaptivePolicy:
 def test_plain_horizon_is_the_wait_the_drift_or_the_whole_chain():
     """Batch 1: a request in backoff decodes its wait; a good request whose rates dipped
     decodes until their drift back to its slow average makes a shape pay (the first of 1, 2,
-    4, ... that does: the half of it would not); a steadily poor request the whole chain;
-    a larger batch always the whole chain."""
+    4, ... that does: the half of it would not); a steadily poor request the whole chain."""
     p = h100_policy()
     good = FakeReq()
     for _ in range(60):                                  # accepts 4-5 of 5 for a long while
@@ -1071,7 +1070,7 @@ def test_plain_horizon_is_the_wait_the_drift_or_the_whole_chain():
 
     def pays_after(k: int) -> bool:
         drifted = st.rates + (1 - (1 - p.beta) ** k) * (st.slow - st.rates)
-        return p._spec_value_one(p._extrapolated(drifted[None, :])[0]) > 1 / (
+        return p._spec_value(p._extrapolated(drifted[None, :])[0]) > 1 / (
             H100_B1_MS[CHAIN] * 1e-3)
     assert pays_after(n) and (n == 1 or not pays_after(n // 2))
     p.observe_plain([good], n)                           # and after it, speculation again
@@ -1085,8 +1084,40 @@ def test_plain_horizon_is_the_wait_the_drift_or_the_whole_chain():
     p.state(waiting)
     p.wait[p._rows([waiting])[0]] = 5
     assert p.plain_horizon([waiting], 32) == 5 and p.plain_horizon([waiting], 4) == 4
-    assert p.plain_horizon([good, FakeReq()], 32) == 32
     assert p.plain_horizon([good], 1) == 1
+
+
+def test_a_batch_s_plain_horizon_follows_its_mean_rates():
+    """Batch 2: two requests whose rates dipped alike decode the horizon one of them would
+    (the costs here are the same per step at both sizes), and the plain choice is not held
+    past it (the batch is chosen for again, and speculates); with a steadily poor request
+    beside a dipped one the batch decodes longer; a poor batch the whole chain; a batch whose
+    every request waits, the shortest wait."""
+    p = h100_policy()
+    S5 = Shape(5, 1, 6)
+
+    def dipped():
+        r = FakeReq()
+        for _ in range(60):
+            p.observe_spec([r], S5, [5])
+        for _ in range(4):
+            p.observe_spec([r], S5, [0])
+        return r
+    a, b = dipped(), dipped()
+    n = p.plain_horizon([a], 32)
+    assert 1 <= n < 32
+    assert p.choose([a, b], chain=True).shape is None            # the dip: plain for now
+    assert p.plain_horizon([a, b], 32) == n
+    p.observe_plain([a, b], n)
+    assert p.choose([a, b], chain=True).shape is not None        # not held past the horizon
+    poor, poor2 = FakeReq(), FakeReq()
+    for _ in range(200):
+        p.observe_spec([poor, poor2], S5, [0, 0])
+    c = dipped()
+    assert n < p.plain_horizon([c, poor], 32) <= 32
+    assert p.plain_horizon([poor, poor2], 32) == 32
+    p.wait[p._rows([poor, poor2])] = [5, 3]
+    assert p.plain_horizon([poor, poor2], 32) == 3
 
 
 def test_batch_1_with_the_horizon_stays_near_the_best_fixed_shape():
