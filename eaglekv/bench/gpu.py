@@ -311,9 +311,15 @@ def timed_generate(engine: Engine, ps: list[list[int]], n: int,
             label = "-" if last is None else last.label + ("?" if last.explore else "")
             # and the drafts the engine's fast and slow averages expect a deepest-shape step
             # to accept (what a new request's choice starts from)
+            # and the costs the choice read at this batch size (ms: a plain chain's per token,
+            # then each shape's per step; -1: unknown)
+            live = max(1, sum(not r.finished for r in reqs))
+            cells = [policy.costs.get(x, live) for x in
+                     ["chain"] + [sh.label for sh in policy.shapes]]
             trace.append([label, now - made, round(1e3 * walls[-1], 3),
                           round(float(np.minimum.accumulate(policy.engine_rates).sum()), 2),
-                          round(float(np.minimum.accumulate(policy.prior).sum()), 2)])
+                          round(float(np.minimum.accumulate(policy.prior).sum()), 2),
+                          [-1 if c is None else round(1e3 * c, 3) for c in cells]])
             made = now
         if first is None and all(r.output_ids for r in reqs[:c]):
             first = len(walls)

@@ -287,7 +287,8 @@ class AdaptivePolicy:
     # the H100's step costs) the policy as it was ran 0.972x the fixed S5 and with these
     # 1.000x; on text with longer hard stretches 0.972x -> 0.984x
     # (bench/results/adaptive_sim_cpu_20261206.json).
-    CHAINED = {"shrink": 12.0, "alpha": 0.15, "hold_all": True, "engine_after": 6}
+    CHAINED = {"shrink": 12.0, "alpha": 0.15, "hold_all": True, "engine_after": 6,
+               "whole_batch": True}
 
     def __init__(self, shapes: list[Shape], costs: CostTable, prior: float = 0.7,
                  alpha: float = 0.3, alpha_engine: float = 0.05, alpha_prior: float = 0.01,
@@ -349,6 +350,13 @@ class AdaptivePolicy:
         # shape look surer, so more of S5's steps were optimistic singles (2026-12-06)
         self.hold_all = False
         self.scalar_one = True         # observe_spec's batch-1 path in scalars (_observe_one)
+        # where steps chain, a batch is split (some requests plain, the others speculating) only
+        # when no shape pays for the whole batch: a split step runs its speculative part as one
+        # step, not a chain, beside a plain step (two replays, a sync each), while a collapsed
+        # request speculating in a whole-batch chain costs little more than its verify rows.
+        # On an H100 at batch 64 (2026-12-06) eight split steps at the tail of a run made ~60
+        # tokens each in ~4.3 ms; the S5 chains around them ~100 tokens a ms
+        self.whole_batch = False
         self._all_known = None         # (bucket, epoch, chain, table) whose cells are all known
         self._restore(costs.saved_state)
         costs.state_fn = self._summary_state
@@ -504,8 +512,14 @@ class AdaptivePolicy:
         plain_cost = self._cost_curve(PLAIN, B)                                # [n] for n = 0..B
         best_v, best = B / per_token, Choice(None, [], list(range(B)))
         sure_v, sure, best_tc = best_v, best, None       # without the optimism; best's (t, c)
+        whole_v, whole = best_v, None                    # the whole batch (`whole_batch`)
         for s in self.shapes:
-            gain = np.where(waiting, -np.inf, np.minimum(self.corr[s] * cum[:, s.S - 1], s.S))
+            gain = np.minimum(self.corr[s] * cum[:, s.S - 1], s.S)
+            if self.whole_batch:    # the waiting requests too, at their own rates
+                v = (B + float(gain.sum())) / self._cost_curve(s.label, B)[B]
+                if v > whole_v:
+                    whole_v, whole = v, Choice(s, list(range(B)), [])
+            gain = np.where(waiting, -np.inf, gain)
             opt = bonus[:, s.S - 1]                                            # (B,)
             order = np.argsort(-(gain + opt), kind="stable")
             g, u = gain[order], opt[order]
@@ -533,6 +547,8 @@ class AdaptivePolicy:
                 and not self._afford((best_tc[1] - best_tc[0] / sure_v) * B / per_token
                                      * self._run_steps())):
             best = sure
+        if whole is not None and best.plain:     # a split (or plain) where the whole batch pays
+            best = whole
         if best.shape is None:         # reuse for the next few tokens of the same batch
             self._plain_key, self._plain_left = key, self.replan_every
         elif best == sure or self.hold_all:    # without the optimism (or any, chained)

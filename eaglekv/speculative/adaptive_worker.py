@@ -55,6 +55,11 @@ from eaglekv.speculative.adaptive import (CATCHUP, CHAIN, PLAIN, AdaptivePolicy,
                                           Shape, cost_cache_path)
 from eaglekv.speculative.eagle_worker import EagleWorker, spec_chain_steps
 
+# the tokens a plain chain explored to measure its cost decodes at least (a horizon of 1 would
+# measure a one-token step, and leave the chain cell unknown: on an H100 at batch 64 each run
+# then began with a 17.5 ms exploring plain step, 2026-12-06)
+EXPLORE_CHAIN = 8
+
 
 @dataclass
 class Lag:
@@ -209,6 +214,8 @@ class AdaptiveWorker:
         if not choice.spec:            # the whole batch decodes plainly: no merging
             t = time.perf_counter()
             longest = self.policy.plain_horizon(reqs, self.decode_steps) if chain else 1
+            if chain and choice.explore:   # measuring the chain cell: a chain, not a token
+                longest = max(longest, min(self.decode_steps, EXPLORE_CHAIN))
             res, k = self._plain(reqs, chain and longest > 1, longest)
             dt = time.perf_counter() - t
             self.plain_seconds += dt

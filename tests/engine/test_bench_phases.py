@@ -72,7 +72,8 @@ def test_step_profile_reports_preemptions_of_a_small_pool(tiny_dir, monkeypatch)
 
 def test_timed_generate_traces_an_adaptive_engine_step_by_step(tiny_dir):
     """An adaptive engine's timed run lists each step's choice, the tokens it made and its
-    milliseconds: the tokens add up to every request's output, the times to the steps'."""
+    milliseconds (the tokens add up to every request's output, the times to the steps'), the
+    drafts the engine's averages expect and the costs the policy read."""
     e = tiny_engine(tiny_dir, max_context_len=1024, max_total_tokens=4096,
                     speculative=dict(algorithm="eagle", draft_model="random", adaptive=True,
                                      shapes=((3, 1, 4),)))
@@ -83,7 +84,10 @@ def test_timed_generate_traces_an_adaptive_engine_step_by_step(tiny_dir):
     assert sum(t[1] for t in trace) == len(PROMPTS) * n
     assert sum(t[2] for t in trace) == pytest.approx(ph["prefill_ms"] + ph["decode_ms"],
                                                      abs=1e-3 * len(trace))
-    assert all(len(t) == 5 and 0 <= t[3] <= 3 and 0 <= t[4] <= 3 for t in trace)   # S3: <= 3
+    assert all(len(t) == 6 and 0 <= t[3] <= 3 and 0 <= t[4] <= 3 for t in trace)   # S3: <= 3
+    # the costs the policy read: a plain chain's ms a token and S3's ms a step (-1: unknown)
+    assert all(len(t[5]) == 2 and all(c == -1 or c > 0 for c in t[5]) for t in trace)
+    assert any(c > 0 for t in trace for c in t[5])
     labels = {t[0].rstrip("?") for t in trace[ph["prefill_steps"]:]}
     assert labels <= {"plain", "S3K1N4", "S3K1N4+plain"}, labels
     _, _, plain_ph = timed_generate(tiny_engine(tiny_dir), PROMPTS, n)

@@ -169,11 +169,14 @@ def test_bad_chain_slot_is_refused(tiny_dir, reference):
     assert out[0].token_ids == reference[0]
 
 
-@pytest.mark.parametrize("horizon", [1, 3])
-def test_adaptive_plain_chains_run_the_policy_horizon(tiny_dir, reference, horizon):
+@pytest.mark.parametrize("horizon,explore", [(1, False), (3, False), (1, True)])
+def test_adaptive_plain_chains_run_the_policy_horizon(tiny_dir, reference, horizon, explore):
     """An adaptive engine at batch 1 whose policy chooses plain decoding: each all-plain
     step decodes a chain as long as the policy's `plain_horizon` (1: a single step), not
-    num_scheduler_steps; greedy output equal to plain decoding, the books whole after."""
+    num_scheduler_steps, or, exploring the chain's cost, at least EXPLORE_CHAIN tokens (a
+    one-token step would leave the chain cell unknown); greedy output equal to plain
+    decoding, the books whole after."""
+    from eaglekv.speculative.adaptive_worker import EXPLORE_CHAIN
     from eaglekv.speculative.adaptive import Choice
     engine = tiny_engine(tiny_dir, attention_backend="triton", max_running_requests=4,
                          max_context_len=64,
@@ -186,7 +189,8 @@ def test_adaptive_plain_chains_run_the_policy_horizon(tiny_dir, reference, horiz
                             req_to_token=engine.req_to_token.req_to_token)
     w.decode_steps = 8
     pol = w.policy
-    pol.choose = lambda reqs, chain=False: pol._chosen(Choice(None, [], list(range(len(reqs)))))
+    pol.choose = lambda reqs, chain=False: pol._chosen(Choice(None, [], list(range(len(reqs))),
+                                                              explore=explore))
     asked = []
     pol.plain_horizon = lambda reqs, longest: asked.append(longest) or horizon
     made = []
@@ -197,7 +201,8 @@ def test_adaptive_plain_chains_run_the_policy_horizon(tiny_dir, reference, horiz
     assert reqs[0].output_ids == reference[0]
     assert asked and set(asked) == {8}
     # 11 tokens after the prefill's: chains of `horizon` (the last one what the budget left)
-    assert made[:-1] == [horizon] * (len(made) - 1) and sum(made) == 11, made
+    each = min(8, EXPLORE_CHAIN) if explore else horizon
+    assert made[:-1] == [each] * (len(made) - 1) and sum(made) == 11, made
     engine.check_memory()
 
 

@@ -950,7 +950,7 @@ def test_held_chains_of_a_batch_with_uneven_budgets(tiny_dir, monkeypatch, chain
     w = eng.runner
     for worker in w.workers.values():
         worker.slots.hold_both = True
-        worker.step_graphs = SpecStepGraphs(worker, 4, progress=False, capture=False)
+        worker.step_graphs = SpecStepGraphs(worker, 3, progress=False, capture=False)
         worker.chain_steps = 4
     w.policy.hold_spec = 3
     if chained:      # the GPU's settings (AdaptivePolicy.CHAINED): observe_chain's one pass
@@ -1239,13 +1239,36 @@ def test_the_worker_uses_the_chained_settings_only_where_steps_chain(tiny_dir):
     p = eng.runner.policy
     assert {k: getattr(p, k) for k in AdaptivePolicy.CHAINED} == AdaptivePolicy.CHAINED
     assert AdaptivePolicy.CHAINED == {"shrink": 12.0, "alpha": 0.15, "hold_all": True,
-                                      "engine_after": 6}
+                                      "engine_after": 6, "whole_batch": True}
     # a choice is held for the longest chain of the shapes: S5 chains 6 steps beside S6's 5
     eng = adaptive_engine(tiny_dir, shapes=((5, 1, 6), (6, 2, 8)), num_scheduler_steps=32,
                           costs={PLAIN: 1.0, "S5K1N6": 1.3, "S6K2N8": 1.5})
     steps = {s.label: w.chain_steps for s, w in eng.runner.workers.items()}
     assert steps == {"S5K1N6": 6, "S6K2N8": 5}
     assert eng.runner.policy.hold_spec == 5
+
+
+@pytest.mark.parametrize("chained", [False, True], ids=["per-step", "chained"])
+def test_where_steps_chain_a_batch_is_split_only_if_no_shape_pays_for_all(chained):
+    """Two requests drafting well, two whose drafts collapsed (costs per request, so a split
+    step is cheaper than the whole batch's): the per-step settings split the batch (the two
+    good ones speculate); the chained ones (`whole_batch`) speculate with the whole batch,
+    which pays. Where only a split pays (one good request, speculation dear), both split."""
+    def batch(sec, good):
+        p = policy({PLAIN: 1.0, S3.label: sec})
+        if chained:
+            for name, value in AdaptivePolicy.CHAINED.items():
+                setattr(p, name, value)
+        reqs = [FakeReq() for _ in range(4)]
+        for i, r in enumerate(reqs):
+            st = p.state(r)
+            st.rates[:], st.nobs[:] = (1.0 if i < good else 0.0), 1000.0
+            p.slow[p._rows([r])[0]] = st.rates
+        return p.choose(reqs)
+    c = batch(1.3, 2)
+    assert c.shape == S3 and c.spec == ([0, 1, 2, 3] if chained else [0, 1]), c
+    c = batch(2.0, 1)
+    assert c.shape == S3 and 0 in c.spec and c.plain, c     # (one collapsed may ride along)
 
 
 @pytest.mark.parametrize("B", [1, 2])
