@@ -473,12 +473,20 @@ def run_modes(args, modes: list[str], batches: list[int]) -> dict:
     conc = {B: B if waves > 1 else None for B in batches}
     for m, eng in engines.items():
         # the whole length once: every kernel specialisation compiled (adaptive: costs
-        # measured; twice, as its steps split batches into sizes a first pass may not reach:
-        # on an H100 on 2026-12-06 its timed runs at batch 64 compiled kernels for 0.5-1.4 s)
-        for _ in range(2 if m.startswith("adaptive") else 1):
+        # measured; at least twice, as its steps split batches into sizes a first pass may not
+        # reach: on an H100 on 2026-12-06 its timed runs at batch 64 compiled kernels for
+        # 0.5-1.4 s)
+        policy = getattr(eng.runner, "policy", None)
+        for i in range(5 if policy is not None else 1):
+            explored = policy.explored if policy is not None else 0
             for B in batches:
                 with mode_checks(m):
                     timed_generate(eng, ps[B][:B], args.new_tokens)
+            # adaptive: until a pass explores no cost (the state a later engine on this
+            # device starts from: the costs are cached on disk): on an H100 a timed run at
+            # batch 16 explored the S6 tree's cost in three single steps (~7% of the run)
+            if i >= 1 and policy.explored == explored:
+                break
         if eng.worker is not None:
             eng.worker.reset_stats()
     runs = {m: {B: [] for B in batches} for m in modes}

@@ -330,6 +330,7 @@ class AdaptivePolicy:
         self.on = np.zeros(0, dtype=bool)
         self.owner = np.zeros(0, dtype=np.int64)
         self.counts: dict[str, int] = {}
+        self.explored = 0              # choices made to measure a cost (or re-measure it)
         self.last: Choice | None = None
         self.steps = 0
         self._curves: dict[tuple, np.ndarray] = {}
@@ -711,6 +712,7 @@ class AdaptivePolicy:
 
     def _chosen(self, c: Choice) -> Choice:
         self.counts[c.label] = self.counts.get(c.label, 0) + 1
+        self.explored += c.explore
         self.last = c
         return c
 
