@@ -482,7 +482,7 @@ class AdaptivePolicy:
         alone = CHAIN if chain else PLAIN              # the all-plain step's cost cell
         known = (bucket(B), costs.epoch, chain, id(costs))   # whether a cell is None changes
         if self._all_known != known:                         # only with the epoch
-            if costs.get(alone, B) is None:
+            if self._alone_cost(alone, B) is None:
                 return self._chosen(Choice(None, [], list(range(B)), explore=True))
             for s in self.shapes:           # a shape never measured at this size: try it
                 if costs.get(s.label, B) is None:
@@ -501,7 +501,7 @@ class AdaptivePolicy:
         waiting = self.wait[rows] > 0
         if waiting.all():
             return self._chosen(self._refresh(B, None) or Choice(None, [], list(range(B))))
-        per_token = costs.get(alone, B) + self.catch_up_cost(B)
+        per_token = self._alone_cost(alone, B) + self.catch_up_cost(B)
         if B == 1:      # the latency case, in scalars (numpy's per-call cost would dominate)
             c = self._choose_one(int(rows[0]), self._extrapolated(self._own(rows))[0],
                                  self._bonus(rows)[0], per_token)
@@ -555,6 +555,20 @@ class AdaptivePolicy:
         elif best == sure or self.hold_all:    # without the optimism (or any, chained)
             self._hold(key, best)
         return self._chosen(self._refresh(B, best) or best)
+
+    def _alone_cost(self, alone: str, B: int) -> float | None:
+        """Seconds a token of an all-plain step of B requests (`alone`: CHAIN or PLAIN). Where
+        steps chain (`whole_batch`), a one-token plain step not measured at B's bucket is
+        taken from the nearest bucket's, else from the chain's: such steps come only at the
+        end of requests' budgets (a chain needs two tokens left) or with sampling requests,
+        and exploring one there cost a 1-2 ms step of a few tokens where a chain of
+        speculative steps would have run (an H100 at batch 64, 2026-12-06). Elsewhere (the
+        CPU) it is measured by the step that needs it."""
+        c = self.costs.get(alone, B)
+        if c is None and alone == PLAIN and self.whole_batch:
+            c = self.costs._nearest(PLAIN, B)
+            c = self.costs.get(CHAIN, B) if c is None else c
+        return c
 
     def _run_steps(self) -> int:
         """Steps a whole-batch speculative choice runs before the next choice (a held one:

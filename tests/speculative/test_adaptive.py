@@ -1271,6 +1271,30 @@ def test_where_steps_chain_a_batch_is_split_only_if_no_shape_pays_for_all(chaine
     assert c.shape == S3 and 0 in c.spec and c.plain, c     # (one collapsed may ride along)
 
 
+@pytest.mark.parametrize("chained", [False, True], ids=["per-step", "chained"])
+def test_an_unmeasured_one_token_plain_step_is_explored_only_where_steps_do_not_chain(chained):
+    """A batch of 20 that cannot chain (a request's budget nearly done): its one-token plain
+    step was measured only at batch 16 (and chains at 32). The per-step settings (the CPU)
+    explore it; the chained ones take the nearest bucket's and choose on the estimates."""
+    t = CostTable(drop_first=False)
+    for label, b, ms in ((PLAIN, 16, 1.3), (CHAIN, 32, 1.0), (S3.label, 32, 2.0)):
+        t.cells[CostTable.key(label, b)] = [ms * 1e-3, t.seed]
+    t.frozen = True
+    p = AdaptivePolicy([S3], t)
+    if chained:
+        for name, value in AdaptivePolicy.CHAINED.items():
+            setattr(p, name, value)
+    reqs = [FakeReq() for _ in range(20)]
+    for r in reqs:
+        p.state(r).rates[:], p.state(r).nobs[:] = 0.9, 100.0
+    c = p.choose(reqs, chain=False)
+    if chained:
+        assert not c.explore and c.shape == S3 and not c.plain, c
+        assert p._alone_cost(PLAIN, 20) == pytest.approx(1.3e-3)
+    else:
+        assert c.explore and c.shape is None, c
+
+
 @pytest.mark.parametrize("B", [1, 2])
 def test_where_steps_chain_an_optimistic_choice_is_held_too(B):
     """A choice only the optimism makes (S3 at 2.2 tokens for 2.2 plain steps' cost) is
