@@ -272,7 +272,7 @@ class AdaptiveWorker:
             self._pending.append((CATCHUP, lag[0], time.perf_counter() - t, lag[1]))
         t = time.perf_counter()
         worker = self.workers[shape]
-        hid = []            # the steps the replay ran, when the hook ran
+        hid = []            # non-empty once the hook ran (the steps the replay ran)
         if overlap:
             worker.before_sync = lambda k: (hid.append(k), self._while_device(sub, max_chain))
         try:
@@ -306,10 +306,9 @@ class AdaptiveWorker:
         """Run while a whole-batch replay is on the device (EagleWorker's `before_sync`; it
         was offered `offered` steps, the held ones consumed whether the worker's chain ran
         them all or was cut shorter): observe the previous step's acceptance (`_deferred`),
-        then choose the
-        next step for the same batch (`_ahead`, used if the batch is unchanged). On an H100 the
-        policy's host work between two chains was 0.4 ms at batch 1 and 0.9 ms at batch 4
-        with the device idle (2026-12-06: adaptive 9.9 / 10.9 ms a chain where the fixed S5
+        then choose the next step for the same batch (`_ahead`, used if the batch is
+        unchanged). On an H100 the policy's host work between two chains was 0.4 ms at batch 1
+        and 0.9 ms at batch 4 with the device idle (2026-12-06: adaptive 9.9 / 10.9 ms a chain where the fixed S5
         took 9.5 / 10.0). The choice is then made from the acceptance of the steps before the
         one just replayed, still a function of the past only (lossless, adaptive.py)."""
         self._flush()
@@ -331,6 +330,7 @@ class AdaptiveWorker:
         counts[choice.label] -= 1
         if not counts[choice.label]:
             del counts[choice.label]
+        self.policy.explored -= choice.explore
         self.policy._spec_key = self.policy._plain_key = None      # nothing held from it
         return None
 

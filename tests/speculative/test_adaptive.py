@@ -1020,7 +1020,7 @@ def test_the_policy_works_while_the_replay_runs_one_step_late(tiny_dir):
     pol = w.policy
     observe = pol.observe_chain
     pol.choose = lambda rs, chain=False: (events.append(("choose", len(rs))), pol._chosen(
-        Choice(S3, list(range(len(rs))), [])))[1]     # the whole batch speculates
+        Choice(S3, list(range(len(rs))), [], explore=True)))[1]   # the whole batch speculates
     pol.observe_chain = lambda rs, shape, acc: (events.append(("observe", len(rs), acc)),
                                                 observe(rs, shape, acc))[1]
     whole = lambda c: c.shape == S3 and not c.plain    # noqa: E731
@@ -1038,6 +1038,7 @@ def test_the_policy_works_while_the_replay_runs_one_step_late(tiny_dir):
     assert events[:3] == [("observe", 3, [[1, 2, 1], [1, 0, 1]]), ("choose", 2),
                           ("launch", 2)], events
     assert sum(pol.counts.values()) == 4        # three steps run, one choice made ahead
+    assert pol.explored == 4                    # (the dropped one not counted either)
 
 
 # ---- how long an all-plain step at batch 1 decodes ------------------------------------------------
