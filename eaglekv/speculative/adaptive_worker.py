@@ -285,15 +285,18 @@ class AdaptiveWorker:
         # out inside the chain stops there): the chain ran as many as the longest kept
         k = max(map(len, steps)) if steps else 1
         self._pending.append((shape.label, len(sub), time.perf_counter() - t, k))
-        if not steps:
-            observe = lambda: self.policy.observe_spec(sub, shape, acc)     # noqa: E731
-        else:
-            if not hid:     # (the hook consumed the held steps before choosing ahead)
-                self.policy.consume_held(max_chain - 1)
+        if steps and not hid:   # (the hook consumed the held steps before choosing ahead)
+            self.policy.consume_held(max_chain - 1)
+
+        def observe():
+            # a request released since (finished or preempted: row 0, the padding row) is not
+            # observed: its row may be another request's by now
+            got = [None if r.row == 0 else a for r, a in zip(sub, acc)]
+            if not steps:
+                return self.policy.observe_spec(sub, shape, got)
             # a request that stopped before step j is not observed there
-            per_step = [[a[j] if a is not None and j < len(a) else None for a in acc]
-                        for j in range(k)]
-            observe = lambda: self.policy.observe_chain(sub, shape, per_step)  # noqa: E731
+            self.policy.observe_chain(sub, shape, [[a[j] if a is not None and j < len(a)
+                                                    else None for a in got] for j in range(k)])
         if hid:
             self._deferred = observe
         else:

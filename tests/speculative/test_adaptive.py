@@ -978,6 +978,8 @@ def test_a_chain_whose_requests_keep_different_step_counts_is_observed_per_step(
     eng = adaptive_engine(tiny_dir, costs={PLAIN: 1.0, S3.label: 1.3}, max_running_requests=3)
     w = eng.runner
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=8)) for p in PROMPTS[:3]]
+    for i, r in enumerate(reqs):
+        r.row = i + 1                     # placed (row 0: released, not observed)
     lists = [[3, 1, 2], [2], None]        # three steps kept, one kept, the third failed
     res = StepResult(tokens=[[1]] * 3, logprobs=[None] * 3, failed=[False, False, True],
                      accepted=lists, kv_advance=[0] * 3, last_slots=[0] * 3)
@@ -1001,8 +1003,9 @@ def test_the_policy_works_while_the_replay_runs_one_step_late(tiny_dir):
     eng = adaptive_engine(tiny_dir, costs={PLAIN: 1.0, S3.label: 1.3}, max_running_requests=3)
     w = eng.runner
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=40)) for p in PROMPTS[:3]]
-    for r in reqs:
+    for i, r in enumerate(reqs):
         r.draft_state = None              # no catch-up: the fake worker below drafts nothing
+        r.row = i + 1                     # placed (row 0: released, not observed)
     events, chains = [], iter([[[2, 1], [3, 3], [0, 1]], [[1, 1], [2, 0], [1, 1]],
                                [[3, 3], [1, 2]]])
     worker = w.workers[S3]
@@ -1034,8 +1037,9 @@ def test_the_policy_works_while_the_replay_runs_one_step_late(tiny_dir):
                       ("observe", 3, [[2, 3, 0], [1, 3, 1]]), ("choose", 3), "sync"]
     assert sum(pol.counts.values()) == 3        # two steps run, one choice made ahead
     del events[:]
+    reqs[2].row = 0                             # released (finished) since: not observed
     w.decode(reqs[:2])                          # one request left: the ahead choice dropped
-    assert events[:3] == [("observe", 3, [[1, 2, 1], [1, 0, 1]]), ("choose", 2),
+    assert events[:3] == [("observe", 3, [[1, 2, None], [1, 0, None]]), ("choose", 2),
                           ("launch", 2)], events
     assert sum(pol.counts.values()) == 4        # three steps run, one choice made ahead
     assert pol.explored == 4                    # (the dropped one not counted either)
