@@ -771,9 +771,14 @@ class AdaptivePolicy:
             self._spec_left = 0        # a poor (or failed) step: choose again next step
         w = min(m, self.step_weight)           # a step's requests: at most step_weight
         if shape.K > 1:                        # observations; w sequential EMA steps, in one
-            ok = est > 0.05
+            # calibrated against the chain sum the choice reads (`_own`: under the chained
+            # settings the rates shrunk toward the engine's; against the raw rates, a tree run
+            # at a request's hard start learnt a correction that then overrated it later)
+            own = est if self.shrink <= 0 else np.minimum.accumulate(
+                self._own(rows)[:, :S], axis=1).sum(1)
+            ok = own > 0.05
             if ok.any():
-                ratio = float(np.minimum(a[ok] / est[ok], 4.0).mean())
+                ratio = float(np.minimum(a[ok] / own[ok], 4.0).mean())
                 self.corr[shape] += (1 - 0.98 ** min(int(ok.sum()), w)) * (ratio - self.corr[shape])
         x = (a[:, None] >= np.arange(1, S + 1)[None, :]).astype(np.float64)   # (m, S)
         last = R[:, S - 1].copy()

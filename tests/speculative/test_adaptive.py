@@ -349,6 +349,26 @@ def test_tree_correction_learns_what_the_shape_accepts():
     assert p.corr[tree] == pytest.approx(2.0, rel=0.25)
 
 
+def test_under_the_chained_settings_the_tree_correction_is_against_the_shrunk_rates():
+    """With `shrink` (AdaptivePolicy.CHAINED) the choice reads a request's rates shrunk toward
+    the engine's slow average, so a tree's correction is calibrated against that chain sum:
+    a request two drafts into its answer with low raw rates (0.2) and a good prior (0.9)
+    whose tree accepts 3 of 4 moves the correction toward ~1, not toward 3 / 0.8 = 3.75 as it
+    does against the raw rates (the per-step settings, where the choice reads those)."""
+    tree = Shape(4, 2, 8)
+    for chained, lo, hi in ((True, 0.99, 1.01), (False, 1.04, 1.06)):
+        p = policy({PLAIN: 1.0, tree.label: 1.5}, shapes=(tree,))
+        if chained:
+            p.shrink = AdaptivePolicy.CHAINED["shrink"]
+        p.prior[:] = 0.9
+        r = FakeReq()
+        st = p.state(r)
+        st.rates[:], st.nobs[:] = 0.2, 2.0
+        own = np.minimum.accumulate(p._own(p._rows([r]))[0, :4]).sum()
+        p.observe_spec([r], tree, [3])
+        assert lo < p.corr[tree] < hi, (chained, own, p.corr[tree])
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 def adaptive_engine(tiny_dir, shapes=((3, 1, 4),), costs=None, **options):
     spec = dict(algorithm="eagle", draft_model=options.pop("draft_model", "random"),
