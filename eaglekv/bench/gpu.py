@@ -536,6 +536,13 @@ def run_modes(args, modes: list[str], batches: list[int]) -> dict:
         policy = getattr(eng.runner, "policy", None)
         if policy is not None:
             out[m]["cost_table_ms"] = {k: 1e3 * v[0] for k, v in policy.costs.cells.items()}
+            # what the choice read beside the costs: the trees' learnt corrections and the
+            # engine's fast and slow acceptance per draft position
+            out[m]["acceptance"] = {"corr": {s.label: round(c, 3)
+                                             for s, c in policy.corr.items()},
+                                    "engine_rates": [round(x, 3) for x in
+                                                     policy.engine_rates.tolist()],
+                                    "prior": [round(x, 3) for x in policy.prior.tolist()]}
             out[m]["why"] = policy.summary(batches[0])
     del engines
     if torch.cuda.is_available():
