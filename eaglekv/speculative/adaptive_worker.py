@@ -317,25 +317,33 @@ class AdaptiveWorker:
         self._flush()
         self.policy.consume_held(offered - 1)
         chain = self._can_chain(reqs)
-        self._ahead = (tuple(r.rid for r in reqs), chain, self.policy.choose(reqs, chain=chain))
+        choice = self.policy.choose(reqs, chain=chain)
+        self._count(choice, -1)       # counted when a step runs it (`_take_ahead`)
+        self._ahead = (tuple(r.rid for r in reqs), chain, choice)
 
     def _take_ahead(self, reqs, chain: bool):
         """The choice made during the last replay, if it was made for this batch (the same
-        requests in the same order, the same chaining): else None (and it is not counted)."""
+        requests in the same order, the same chaining): else None. It is counted here, when a
+        step runs it."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
         rids, was_chain, choice = ahead
         if was_chain == chain and len(rids) == len(reqs) and all(
                 r.rid == x for r, x in zip(reqs, rids)):
+            self._count(choice, +1)
             return choice
-        counts = self.policy.counts      # made and not used: not one of the steps' choices
-        counts[choice.label] -= 1
-        if not counts[choice.label]:
-            del counts[choice.label]
-        self.policy.explored -= choice.explore
         self.policy._spec_key = self.policy._plain_key = None      # nothing held from it
         return None
+
+    def _count(self, choice, n: int) -> None:
+        """Add n to the policy's count of `choice` (SpecStats.choices, the Prometheus
+        counter's source: the steps each choice ran)."""
+        counts = self.policy.counts
+        counts[choice.label] = counts.get(choice.label, 0) + n
+        if not counts[choice.label]:
+            del counts[choice.label]
+        self.policy.explored += n * choice.explore
 
     def _flush(self) -> None:
         """Observe the deferred step's acceptance now (before a choice that needs it)."""
