@@ -14,7 +14,7 @@
 #                                 # (the whole suite takes ~7 min on an H100: split it, e.g.
 #                                 # tests/kernels, then tests/speculative tests/engine ...)
 #   bench/h200_issue13.sh memcheck [PATHS]  # the same under compute-sanitizer memcheck
-# bench env: MODES, BATCHES (1,4,16,64), NEW_TOKENS, WAVES (1: one batch; K: B in flight, B x K
+# bench env: MODES, BATCHES (1,4,16,64), NEW_TOKENS, REPEATS (2; `adaptive`: 5), WAVES (1: one batch; K: B in flight, B x K
 # in all), WSR (--waiting-served-ratio, 0: admit at once), FLOOR=0 to skip the floor (~140 s),
 # LLAMA8B=" " to skip the 8B row, CHECKS_REPLAY=1 to replay the graphs checked and unchecked
 # in alternation (`--checks-replay`). The modes need the shipped heads in the tree (eagle_* and
@@ -34,7 +34,7 @@ case "${1:-bench}" in
     floor=()     # the floor runs inside the bench's process, after the modes (~140 s)
     [ "${FLOOR:-1}" = 1 ] && floor=(--floor .carry/graph_floor.py)
     timeout "${BENCH_TIMEOUT:-560}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
-      --model "$M" --new-tokens "${NEW_TOKENS:-256}" --repeats 2 ${LLAMA8B:---llama8b} \
+      --model "$M" --new-tokens "${NEW_TOKENS:-256}" --repeats "${REPEATS:-2}" ${LLAMA8B:---llama8b} \
       ${floor[@]+"${floor[@]}"} ${CHECKS_REPLAY:+--checks-replay} \
       --batches "${BATCHES:-1,4,16,64}" --waves "${WAVES:-1}" \
       --waiting-served-ratio "${WSR:-0}" \
@@ -80,8 +80,10 @@ case "${1:-bench}" in
   adaptive)
     # issue 15 after the chained settings (2026-12-06): adaptive against every fixed shape of
     # its set and plain, prefill graphs on (the default since); no 8B row
+    # five rounds (the median; on an H100 on 2026-12-06 one of two rounds ran every chain of
+    # a batch-64 run ~1 ms slower, 7% of the run, and the median of two is their mean)
     MODES=${MODES:-plain,eagle_chain_S5K1N6,eagle_chain_S3K1N4,eagle_tree_S4K2N8,adaptive} \
-      LLAMA8B=${LLAMA8B:-" "} FLOOR=${FLOOR:-0} "$0" bench
+      REPEATS=${REPEATS:-5} LLAMA8B=${LLAMA8B:-" "} FLOOR=${FLOOR:-0} "$0" bench
     ;;
   tiles)
     python3 bench/decode_tiles.py --out "$OUT/decode_tiles.json" 2>&1 | tail -8

@@ -51,14 +51,20 @@ from eaglekv.core import ForwardBatch, SpecStats, StepPlan, StepResult
 from eaglekv.cuda_graph import store_features
 from eaglekv.model import cpu_blas
 from eaglekv.runner import ModelRunner, guarded
-from eaglekv.speculative.adaptive import (CATCHUP, CHAIN, PLAIN, AdaptivePolicy, CostTable,
-                                          Shape, cost_cache_path)
+from eaglekv.speculative.adaptive import (CATCHUP, CHAIN, PLAIN, AdaptivePolicy, Choice,
+                                          CostTable, Shape, cost_cache_path)
 from eaglekv.speculative.eagle_worker import EagleWorker, spec_chain_steps
 
 # the tokens a plain chain explored to measure its cost decodes at least (a horizon of 1 would
 # measure a one-token step, and leave the chain cell unknown: on an H100 at batch 64 each run
 # then began with a 17.5 ms exploring plain step, 2026-12-06)
 EXPLORE_CHAIN = 8
+
+
+def _is_subsequence(xs: list, ys) -> bool:
+    """Whether `xs` is `ys` with some items left out (the order kept)."""
+    it = iter(ys)
+    return all(any(x == y for y in it) for x in xs)
 
 
 @dataclass
@@ -323,14 +329,27 @@ class AdaptiveWorker:
 
     def _take_ahead(self, reqs, chain: bool):
         """The choice made during the last replay, if it was made for this batch (the same
-        requests in the same order, the same chaining): else None. It is counted here, when a
-        step runs it."""
+        requests in the same order, the same chaining), or it was a whole-batch speculative
+        choice and this batch is that one less the requests that finished since: else None.
+        It is counted here, when a step runs it.
+
+        The second case is the tail of a batch: on an H100 at batch 64 (2026-12-06) requests
+        finished in almost every chain of the run's last third, and each such chain began
+        with the deferred observation and a fresh choice with the device idle (~0.5 ms a
+        chain on that host, where the next choice was the same shape again). The choice is
+        then one chain staler for the smaller batch; the one made during this chain is for
+        this batch."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
         rids, was_chain, choice = ahead
         if was_chain == chain and len(rids) == len(reqs) and all(
                 r.rid == x for r, x in zip(reqs, rids)):
+            self._count(choice, +1)
+            return choice
+        if (was_chain == chain and choice.shape is not None and not choice.plain
+                and len(reqs) < len(rids) and _is_subsequence([r.rid for r in reqs], rids)):
+            choice = Choice(choice.shape, list(range(len(reqs))), [], explore=choice.explore)
             self._count(choice, +1)
             return choice
         self.policy._spec_key = self.policy._plain_key = None      # nothing held from it

@@ -143,6 +143,38 @@ def test_choice_follows_costs_and_acceptance():
     assert expensive.choose([r]).shape is None
 
 
+class BudgetReq(FakeReq):     # and the budget a request has left
+    def __init__(self, left: int):
+        super().__init__()
+        self.params = SamplingParams(max_new_tokens=left + 5)
+        self.output_ids = [1] * 5
+
+
+@pytest.mark.parametrize("B", [1, 4], ids=["batch1", "batch4"])
+def test_drafts_past_a_request_budget_are_worth_nothing(B):
+    """A step makes at most the tokens a request's budget has left: 1 token from its end, a
+    speculative step gains nothing over a plain one (the value is capped by `_room`, the
+    optimism too). Good drafts, S3 at 1.3 plain steps: S3 with 4 tokens left each, plain with
+    1 left each; at 2.2 plain steps, S3 with 4 left (3.85 tokens) and plain with 2 left (one
+    draft to gain: 1.95 tokens). The cap is per request: 1 and 2 left beside two with 40
+    left, the batch still speculates."""
+    def choose(sec, *lefts):
+        p = policy({PLAIN: 1.0, S3.label: sec})
+        p.optimism = 0.5
+        reqs = [BudgetReq(n) for n in lefts]
+        for r in reqs:
+            p.state(r).rates[:] = 0.95
+        return p.choose(reqs)
+    assert choose(1.3, *[4] * B).shape == S3
+    assert choose(1.3, *[1] * B).shape is None
+    assert choose(2.2, *[4] * B).shape == S3
+    assert choose(2.2, *[2] * B).shape is None
+    assert policy({PLAIN: 1.0})._room([BudgetReq(40)] * B) is None    # no request near its end
+    if B > 1:
+        c = choose(1.3, 1, 2, 40, 40)
+        assert c.shape == S3 and {2, 3} <= set(c.spec), c
+
+
 def test_unknown_costs_are_explored_first():
     p = AdaptivePolicy([S3, Shape(1, 1, 2)], CostTable())
     p.optimism = 0.0
@@ -1016,9 +1048,10 @@ def test_a_chain_whose_requests_keep_different_step_counts_is_observed_per_step(
 def test_the_policy_works_while_the_replay_runs_one_step_late(tiny_dir):
     """A whole-batch speculative step that runs as a replay calls the worker's `before_sync`
     between launching and syncing: there the previous step's acceptance is observed and the
-    next step chosen (`_while_device`). The next engine step of the same batch uses that
-    choice without choosing again (none of the policy's work between two replays); a
-    changed batch drops it (not counted), observes what was deferred, then chooses."""
+    next step chosen (`_while_device`). The next engine step of the same batch, or of that
+    batch less requests that finished, uses that choice without choosing again (none of the
+    policy's work between two replays); another batch drops it (not counted), observes what
+    was deferred, then chooses."""
     from eaglekv.core import StepResult
     eng = adaptive_engine(tiny_dir, costs={PLAIN: 1.0, S3.label: 1.3}, max_running_requests=3)
     w = eng.runner
@@ -1027,7 +1060,7 @@ def test_the_policy_works_while_the_replay_runs_one_step_late(tiny_dir):
         r.draft_state = None              # no catch-up: the fake worker below drafts nothing
         r.row = i + 1                     # placed (row 0: released, not observed)
     events, chains = [], iter([[[2, 1], [3, 3], [0, 1]], [[1, 1], [2, 0], [1, 1]],
-                               [[3, 3], [1, 2]]])
+                               [[3, 3], [1, 2]], [[0, 0], [1, 1]]])
     worker = w.workers[S3]
 
     def fake_decode(sub, max_chain=None):   # as EagleWorker._decode_graph does
@@ -1059,11 +1092,17 @@ def test_the_policy_works_while_the_replay_runs_one_step_late(tiny_dir):
     assert pol.explored == 2                    # a third is counted when a step runs it)
     del events[:]
     reqs[2].row = 0                             # released (finished) since: not observed
-    w.decode(reqs[:2])                          # one request left: the ahead choice dropped
-    assert events[:3] == [("observe", 3, [[1, 2, None], [1, 0, None]]), ("choose", 2),
-                          ("launch", 2)], events
-    assert sum(pol.counts.values()) == 3        # three steps run (the dropped choice, and
-    assert pol.explored == 3                    # the one made ahead now, not counted)
+    w.decode(reqs[:2])     # the batch less a finished request: the whole-batch choice holds
+    assert events == [("launch", 2), ("observe", 3, [[1, 2, None], [1, 0, None]]),
+                      ("choose", 2), "sync"], events
+    assert pol.last.shape == S3 and pol.last.spec == [0, 1] and not pol.last.plain
+    assert sum(pol.counts.values()) == 3        # three steps run (the one made ahead now is
+    assert pol.explored == 3                    # counted when a step runs it)
+    del events[:]
+    w.decode(reqs[1::-1])                       # another batch (here: reordered): dropped
+    assert events[:3] == [("observe", 2, [[3, 1], [3, 2]]), ("choose", 2), ("launch", 2)], \
+        events
+    assert sum(pol.counts.values()) == 4 and pol.explored == 4
 
 
 # ---- how long an all-plain step at batch 1 decodes ------------------------------------------------
