@@ -413,7 +413,46 @@ def _step_profile(engine: Engine, ps: list[list[int]], steps: int, new_tokens: i
             # > 0: the KV pool was too small, and the figures include re-prefills
             "preemptions": preempted,
             "kernel_top": kernel_top(kernels, steps),
+            "timeline": device_timeline(kernels, steps),
             "host_top": host_top(cp, steps)}
+
+
+# the gap classes of `device_timeline`, in microseconds: a kernel boundary inside a graph or a
+# back-to-back launch (< 2), a launch the host issued late (2-100), host work or a sync with
+# the device idle (>= 100)
+GAP_CLASSES = ((0.0, 2.0, "under_2us"), (2.0, 100.0, "2_to_100us"),
+               (100.0, float("inf"), "over_100us"))
+
+
+def device_timeline(kernels, steps: int) -> dict | None:
+    """Where the device was idle in the profiled steps: the span from the first kernel's
+    start to the last one's end, the time some kernel ran (overlaps counted once), and the
+    idle rest split by gap size (GAP_CLASSES: count and microseconds a step). A step's wall
+    less its device busy time is launch gaps, kernel boundaries and the host's work between
+    syncs; this tells them apart. None without kernel timestamps (the CPU)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels
+                   if getattr(e, "time_range", None) is not None)
+    if not spans:
+        return None
+    busy, gaps = 0.0, []
+    start, end = spans[0]
+    for s, e in spans[1:]:
+        if s > end:                    # an idle gap: the device ran nothing in (end, s)
+            busy += end - start
+            gaps.append(s - end)
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    span = max(e for _, e in spans) - spans[0][0]
+    out = {"span_ms_per_step": span / 1e3 / steps, "busy_ms_per_step": busy / 1e3 / steps,
+           "idle_ms_per_step": (span - busy) / 1e3 / steps, "gaps": {}}
+    g = np.asarray(gaps, dtype=np.float64)
+    for lo, hi, name in GAP_CLASSES:
+        m = (g >= lo) & (g < hi)
+        out["gaps"][name] = {"count_per_step": float(m.sum()) / steps,
+                             "us_per_step": float(g[m].sum()) / steps}
+    return out
 
 
 def kernel_top(kernels, steps: int, n: int = 30) -> list[dict]:

@@ -151,6 +151,29 @@ def test_kernel_top_sums_launches_and_time_by_name():
     assert kernel_top(ks, steps=2, n=1) == top[:1]
 
 
+def test_device_timeline_splits_the_idle_time_by_gap_size():
+    """The step profile's timeline: the span of the profiled kernels, the time some kernel
+    ran (overlapping kernels counted once) and the idle rest by gap class, per step; None
+    where the events carry no timestamps."""
+    from types import SimpleNamespace as K
+
+    from eaglekv.bench.gpu import device_timeline
+
+    def k(start, end):
+        return K(time_range=K(start=start, end=end))
+    # two steps: kernels [0, 10] [11, 20] (1 us boundary), [15, 18] inside, [50, 60] (30 us
+    # late launch), then 500 us of host work, [560, 600] [600.5, 610] (0.5 us boundary)
+    ks = [k(0, 10), k(15, 18), k(11, 20), k(50, 60), k(560, 600), k(600.5, 610)]
+    t = device_timeline(ks, steps=2)
+    assert t["span_ms_per_step"] == pytest.approx(610 / 1e3 / 2)
+    assert t["busy_ms_per_step"] == pytest.approx((10 + 9 + 10 + 40 + 9.5) / 1e3 / 2)
+    assert t["idle_ms_per_step"] == pytest.approx((1 + 30 + 500 + 0.5) / 1e3 / 2)
+    assert t["gaps"] == {"under_2us": {"count_per_step": 1.0, "us_per_step": 0.75},
+                         "2_to_100us": {"count_per_step": 0.5, "us_per_step": 15.0},
+                         "over_100us": {"count_per_step": 0.5, "us_per_step": 250.0}}
+    assert device_timeline([K(name="cpu-only")], steps=1) is None
+
+
 def test_the_floor_runs_in_the_bench_process(tmp_path):
     """`eaglekv bench --floor graph_floor.py` runs the floor script in its own process and
     keeps each shape's figures (a stand-in script here: the real one needs CUDA); the table
