@@ -400,6 +400,7 @@ def _step_profile(engine: Engine, ps: list[list[int]], steps: int, new_tokens: i
         engine.step()
     sync()
     cp.disable()
+    phases = phase_profile(engine, steps)
     for r in reqs:
         engine.abort(r)
     preempted = engine.num_preemptions - preempted
@@ -414,7 +415,47 @@ def _step_profile(engine: Engine, ps: list[list[int]], steps: int, new_tokens: i
             "preemptions": preempted,
             "kernel_top": kernel_top(kernels, steps),
             "timeline": device_timeline(kernels, steps),
-            "host_top": host_top(cp, steps)}
+            "host_top": host_top(cp, steps),
+            **({"phase_ms_per_step": phases} if phases is not None else {})}
+
+
+def phase_profile(engine: Engine, steps: int) -> dict | None:
+    """A speculative engine's device time a step per part (speculative/phases.py: draft,
+    verify, accept, extend; `other`: the rest, e.g. plain steps), from `steps` steps run
+    eagerly under the profiler: the whole-step graphs keep no marks, so for these steps they
+    run their captured forward as ordinary launches over the same buffers (the kernels are
+    the graph's; the launch gaps are not, so the parts are summed kernel times, not walls).
+    On the CPU, the parts' CPU time. None for a plain engine."""
+    from eaglekv.speculative.phases import PHASES, PREFIX
+    worker = engine.worker
+    if worker is None:
+        return None
+    graphs = [g for w in (list(getattr(worker, "workers", {}).values()) or [worker])
+              if (g := getattr(w, "step_graphs", None)) is not None and g.capture]
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for g in graphs:
+        g.capture = False
+    try:
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                engine.step()
+            sync()
+    finally:
+        for g in graphs:
+            g.capture = True
+    events = prof.events()
+    total = (sum(e.device_time for e in events
+                 if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else None)
+    out = {name: 0.0 for name in PHASES}
+    for e in events:
+        if e.name.startswith(PREFIX) and e.name[len(PREFIX):] in out:
+            us = getattr(e, "device_time_total", 0.0) if cuda else e.cpu_time_total
+            out[e.name[len(PREFIX):]] += us
+    out = {k: v / 1e3 / steps for k, v in out.items()}
+    if total is not None:
+        out["other"] = max(0.0, total / 1e3 / steps - sum(out.values()))
+    return out
 
 
 # the gap classes of `device_timeline`, in microseconds: a kernel boundary inside a graph or a

@@ -28,6 +28,7 @@ from eaglekv.runner import ModelRunner, RunnerResources, guarded
 from eaglekv.sampling import apply_penalties, token_logprobs, valid_argmax, valid_probs
 from eaglekv.speculative.accept import greedy_accept, sample_accept
 from eaglekv.speculative.drafter import Drafter, RootRow, stack_roots
+from eaglekv.speculative.phases import phase
 from eaglekv.speculative.draft_loop import (DraftLoop, exponential_noise, processed_probs,
                                             uniform_noise)
 from eaglekv.speculative.slots import DraftSlots
@@ -188,11 +189,12 @@ class EagleWorker:
         `contexts`: each request's tokens with this step's included (for a drafter that needs
         them: the books are committed after the runner returns)."""
         t0 = time.perf_counter()
-        batch = ForwardBatch.build(ids, prefix, [r.row for r in reqs], slots, self.res.device)
-        out = self.drafter.extend(batch, hidden, contexts if self.drafter.needs_contexts
-                                  else None)
-        for i, r in enumerate(reqs):
-            r.draft_state = RootRow(out, i)
+        with phase("extend"):
+            batch = ForwardBatch.build(ids, prefix, [r.row for r in reqs], slots, self.res.device)
+            out = self.drafter.extend(batch, hidden, contexts if self.drafter.needs_contexts
+                                      else None)
+            for i, r in enumerate(reqs):
+                r.draft_state = RootRow(out, i)
         self.timings["extend"] += time.perf_counter() - t0
 
     # ---- decode ---------------------------------------------------------------------------------
@@ -208,64 +210,68 @@ class EagleWorker:
         seq_lens = torch.tensor([r.kv_len for r in reqs], device=dev)              # (B,)
         rows = torch.tensor([r.row for r in reqs], device=dev)                     # (B,)
         # 1. draft: slots, req_to_token entries and kv indices, then the select steps
-        d = self.slots.prepare_draft(reqs, rows, seq_lens)
-        root_logits = stack_roots(reqs, 0)                                        # (B, V)
-        root_hidden = stack_roots(reqs, 1)                                        # (B, H)
-        contexts_of = None
-        if self.drafter.needs_contexts:
-            contexts_of = lambda paths: [r.all_ids + p for r, pk in zip(reqs, paths.tolist())  # noqa: E731
-                                         for p in pk]
-        root = torch.tensor([r.output_ids[-1] for r in reqs], device=dev)         # (B,)
-        pool = self.loop.run(reqs, root_logits, root_hidden, seq_lens, d.slots,
-                             d.decode_meta, contexts_of, d.reorder_kv)
-        tree = verify_tree(root, pool, N, chain=self.K == 1)
-        self.slots.release_draft(d)
+        with phase("draft"):
+            d = self.slots.prepare_draft(reqs, rows, seq_lens)
+            root_logits = stack_roots(reqs, 0)                                        # (B, V)
+            root_hidden = stack_roots(reqs, 1)                                        # (B, H)
+            contexts_of = None
+            if self.drafter.needs_contexts:
+                def contexts_of(paths):
+                    return [r.all_ids + p for r, pk in zip(reqs, paths.tolist()) for p in pk]
+            root = torch.tensor([r.output_ids[-1] for r in reqs], device=dev)         # (B,)
+            pool = self.loop.run(reqs, root_logits, root_hidden, seq_lens, d.slots,
+                                 d.decode_meta, contexts_of, d.reorder_kv)
+            tree = verify_tree(root, pool, N, chain=self.K == 1)
+            self.slots.release_draft(d)
         t1 = time.perf_counter()
         # 2. verify: N tree nodes per request at positions L_b + depth, under the tree mask
-        vslots = self.slots.alloc_verify(reqs, rows, seq_lens)                     # (B, N) cpu
-        batch = ForwardBatch(input_ids=tree.tokens.reshape(-1),
-                             positions=(seq_lens[:, None] + tree.depth).reshape(-1),
-                             req_pool_indices=rows, prefix_lens=seq_lens,
-                             extend_lens=torch.full((B,), N, device=dev),
-                             out_cache_loc=vslots.reshape(-1).to(dev),
-                             prefix_lens_cpu=tuple(r.kv_len for r in reqs),
-                             extend_lens_cpu=(N,) * B, extend_mask=tree.mask)
-        if self.verify_graphs is not None and self.verify_graphs.bucket(B) is not None:
-            out = self.verify_graphs.run(batch.input_ids, batch.positions, rows, seq_lens,
-                                         batch.out_cache_loc, tree.mask)
-        else:
-            out = self.res.model.forward(batch, self.res.backend, return_hidden=True,
-                                         capture_layers=self.drafter.capture_layers)
-        logits = out.logits.view(B, N, -1)                                        # (B, N, V)
-        feats = self.drafter.features(out).view(B, N, -1)                         # (B, N, Hf)
+        with phase("verify"):
+            vslots = self.slots.alloc_verify(reqs, rows, seq_lens)                     # (B, N) cpu
+            batch = ForwardBatch(input_ids=tree.tokens.reshape(-1),
+                                 positions=(seq_lens[:, None] + tree.depth).reshape(-1),
+                                 req_pool_indices=rows, prefix_lens=seq_lens,
+                                 extend_lens=torch.full((B,), N, device=dev),
+                                 out_cache_loc=vslots.reshape(-1).to(dev),
+                                 prefix_lens_cpu=tuple(r.kv_len for r in reqs),
+                                 extend_lens_cpu=(N,) * B, extend_mask=tree.mask)
+            if self.verify_graphs is not None and self.verify_graphs.bucket(B) is not None:
+                out = self.verify_graphs.run(batch.input_ids, batch.positions, rows, seq_lens,
+                                             batch.out_cache_loc, tree.mask)
+            else:
+                out = self.res.model.forward(batch, self.res.backend, return_hidden=True,
+                                             capture_layers=self.drafter.capture_layers)
+            logits = out.logits.view(B, N, -1)                                        # (B, N, V)
+            feats = self.drafter.features(out).view(B, N, -1)                         # (B, N, Hf)
         t2 = time.perf_counter()
         # 3. accept (on the penalized logits; logprobs report the raw ones)
-        pl = self._penalized(reqs, logits, tree)
-        # ok[b]: every node's argmax and distribution is usable. A bad row's walk below stays
-        # in range (NaN comparisons are False) and is dropped after the sync; rows never mix.
-        # (A non-finite draft q is harmless: u * q(x) < p(x) fails, the bonus is drawn from p.)
-        ok = valid_argmax(pl)                                                      # (B,)
-        if all(r.params.greedy for r in reqs) and tree.draft_probs is None:
-            res = greedy_accept(tree, pl.argmax(-1), S)
-        else:
-            p = processed_probs(pl.reshape(B * N, -1),
-                                [r.params for r in reqs for _ in range(N)]).view(B, N, -1)
-            ok = ok & valid_probs(p)
-            gens = [r.generator for r in reqs]
-            res = sample_accept(tree, p, uniform_noise(gens, N, dev),
-                                exponential_noise(gens, p.shape[-1], dev), S)
-        res.path = guard_path(res.path, tree.parent, "tree retrieve (accepted node)")
-        committed = res.committed_tokens(tree)                                    # (B, S + 1)
-        # 4. commit on the device: accepted node at depth j -> position L_b + j (slot j)
-        P = min(S, N - 1)
-        vdev = vslots.to(dev)
-        path = res.path[:, 1:P + 1]                                               # (B, P)
-        dst = vdev[:, 1:P + 1]
-        src = torch.where(path >= 0, vdev.gather(1, path.clamp(min=0)), dst)      # (B, P)
-        self.res.kv_pool.move_kv(dst, src)
-        hid = feats.gather(1, res.path[:, :P + 1].clamp(min=0)[:, :, None].expand(
-            B, P + 1, feats.shape[-1]))                                           # (B, P+1, Hf)
-        window = self._extend_window(reqs, res, committed, feats, vdev, seq_lens)
+        with phase("accept"):
+            pl = self._penalized(reqs, logits, tree)
+            # ok[b]: every node's argmax and distribution is usable. A bad row's walk below stays
+            # in range (NaN comparisons are False) and is dropped after the sync; rows never mix.
+            # (A non-finite draft q is harmless: u * q(x) < p(x) fails, the bonus is drawn from p.)
+            ok = valid_argmax(pl)                                                      # (B,)
+            if all(r.params.greedy for r in reqs) and tree.draft_probs is None:
+                res = greedy_accept(tree, pl.argmax(-1), S)
+            else:
+                p = processed_probs(pl.reshape(B * N, -1),
+                                    [r.params for r in reqs for _ in range(N)]).view(B, N, -1)
+                ok = ok & valid_probs(p)
+                gens = [r.generator for r in reqs]
+                res = sample_accept(tree, p, uniform_noise(gens, N, dev),
+                                    exponential_noise(gens, p.shape[-1], dev), S)
+            res.path = guard_path(res.path, tree.parent, "tree retrieve (accepted node)")
+            committed = res.committed_tokens(tree)                                    # (B, S + 1)
+            # 4. commit on the device: accepted node at depth j -> position L_b + j (slot j)
+            P = min(S, N - 1)
+            vdev = vslots.to(dev)
+            path = res.path[:, 1:P + 1]                                               # (B, P)
+            dst = vdev[:, 1:P + 1]
+            src = torch.where(path >= 0, vdev.gather(1, path.clamp(min=0)), dst)      # (B, P)
+            self.res.kv_pool.move_kv(dst, src)
+            hid = feats.gather(1, res.path[:, :P + 1].clamp(min=0)[:, :, None].expand(
+                B, P + 1, feats.shape[-1]))                                           # (B, P+1, Hf)
+        with phase("extend"):
+            window = self._extend_window(reqs, res, committed, feats, vdev, seq_lens)
         host = torch.cat([ok[:, None].long(), res.accept_len[:, None], committed],
                          1).tolist()                                              # the sync
         good, acc, toks = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]

@@ -21,6 +21,7 @@ from eaglekv.kernels.greedy import greedy_pick
 from eaglekv.kernels.guard import guard_indices, guard_path
 from eaglekv.speculative.accept import greedy_accept
 from eaglekv.speculative.drafter import DraftOut, stack_roots
+from eaglekv.speculative.phases import phase
 from eaglekv.speculative.slots import DraftBatch
 from eaglekv.speculative.tree import chain_shape, verify_tree
 
@@ -88,38 +89,42 @@ class SpecStepGraphs(CapturedForwards):
         # 1. draft: its slots checked (a bad one is named from this static buffer at the
         # sync, and slot 0 goes on in its place), into req_to_token, its kv lists (guarded),
         # S - 1 forwards over the branches, then the tree
-        dslots = guard_indices(dslots, res.kv_pool.size_limit, "draft out_cache_loc")
-        w.slots.write_draft_tables(rows, L, dslots, self.lens_sum)
-        d = DraftBatch(w.slots, dslots, [])
-        pool = w.loop.run(None, self.root_logits[:b], self.root_hidden[:b], L, dslots,
-                          d.decode_meta, None, d.reorder_kv, live=live)
-        tree = verify_tree(root, pool, N, chain=w.K == 1, shape=self.tree_shape)
+        with phase("draft"):
+            dslots = guard_indices(dslots, res.kv_pool.size_limit, "draft out_cache_loc")
+            w.slots.write_draft_tables(rows, L, dslots, self.lens_sum)
+            d = DraftBatch(w.slots, dslots, [])
+            pool = w.loop.run(None, self.root_logits[:b], self.root_hidden[:b], L, dslots,
+                              d.decode_meta, None, d.reorder_kv, live=live)
+            tree = verify_tree(root, pool, N, chain=w.K == 1, shape=self.tree_shape)
         # 2. verify: N nodes per request at L + depth under the tree mask
-        w.slots.write_verify_table(rows, L, vslots)
-        meta = TritonAttnMetadata(kv_start=rows * self.backend.width,
-                                  out_cache_loc=vslots.reshape(-1), kv_len=None, prefix_len=L,
-                                  extend_len=self.extend_len[:b], q_start=self.q_start[:b],
-                                  mask=tree.mask, max_extend=N)
-        out = res.model.forward_tokens(tree.tokens.reshape(-1),
-                                       (L[:, None] + tree.depth).reshape(-1), self.backend,
-                                       meta, return_hidden=True,
-                                       capture_layers=w.drafter.capture_layers)
-        logits = out.logits.view(b, N, -1)                                       # (b, N, V)
-        feats = w.drafter.features(out).view(b, N, -1)                           # (b, N, Hf)
+        with phase("verify"):
+            w.slots.write_verify_table(rows, L, vslots)
+            meta = TritonAttnMetadata(kv_start=rows * self.backend.width,
+                                      out_cache_loc=vslots.reshape(-1), kv_len=None,
+                                      prefix_len=L, extend_len=self.extend_len[:b],
+                                      q_start=self.q_start[:b], mask=tree.mask, max_extend=N)
+            out = res.model.forward_tokens(tree.tokens.reshape(-1),
+                                           (L[:, None] + tree.depth).reshape(-1), self.backend,
+                                           meta, return_hidden=True,
+                                           capture_layers=w.drafter.capture_layers)
+            logits = out.logits.view(b, N, -1)                                   # (b, N, V)
+            feats = w.drafter.features(out).view(b, N, -1)                       # (b, N, Hf)
         # 3. greedy acceptance; 4. the accepted K/V to depth order (as EagleWorker.decode)
         # each node's argmax and its validity in one launch (kernels/greedy.py)
-        pick = greedy_pick(logits.view(b * N, -1)).view(b, N, 2)                  # (b, N, 2)
-        ok = pick[..., 1].all(-1)                                                 # (b,)
-        vr = greedy_accept(tree, pick[..., 0], S)
-        # the accepted nodes address the verify window: checked as the eager step does
-        vr.path = guard_path(vr.path, tree.parent, "tree retrieve (accepted node)")
-        committed = vr.committed_tokens(tree)                                     # (b, S + 1)
-        P = min(S, N - 1)
-        path, dst = vr.path[:, 1:P + 1], vslots[:, 1:P + 1]
-        src = torch.where(path >= 0, vslots.gather(1, path.clamp(min=0)), dst)
-        res.kv_pool.move_kv(dst, src)
+        with phase("accept"):
+            pick = greedy_pick(logits.view(b * N, -1)).view(b, N, 2)              # (b, N, 2)
+            ok = pick[..., 1].all(-1)                                             # (b,)
+            vr = greedy_accept(tree, pick[..., 0], S)
+            # the accepted nodes address the verify window: checked as the eager step does
+            vr.path = guard_path(vr.path, tree.parent, "tree retrieve (accepted node)")
+            committed = vr.committed_tokens(tree)                                 # (b, S + 1)
+            P = min(S, N - 1)
+            path, dst = vr.path[:, 1:P + 1], vslots[:, 1:P + 1]
+            src = torch.where(path >= 0, vslots.gather(1, path.clamp(min=0)), dst)
+            res.kv_pool.move_kv(dst, src)
         # 5. the draft over the verify window: the next roots
-        window = w.window_forward(rows, L, committed, feats, vslots, vr)
+        with phase("extend"):
+            window = w.window_forward(rows, L, committed, feats, vslots, vr)
         host = torch.cat([ok[:, None].long(), vr.accept_len[:, None], committed], 1)
         return host, window
 

@@ -47,8 +47,17 @@ def test_step_profile_ranks_the_host_work(tiny_dir):
     assert top == sorted(top, key=lambda r: -r["self_ms_per_step"])
     assert any("engine.py" in r["function"] or "speculative/" in r["function"] for r in top)
     assert prof["preemptions"] == 0
+    # each part of the speculative step is marked (speculative/phases.py): on the CPU their
+    # CPU time a step, the target's verify the largest; a plain engine reports none
+    ph = prof["phase_ms_per_step"]
+    assert set(ph) == {"draft", "verify", "accept", "extend"}, ph
+    assert all(v > 0 for v in ph.values()), ph
+    assert ph["verify"] > ph["accept"]
+    assert prof["timeline"] is None                    # no device timestamps on the CPU
     e.check_memory()
     assert e.allocator.is_full()
+    plain = step_profile(tiny_engine(tiny_dir, max_context_len=1024), PROMPTS, steps=2)
+    assert "phase_ms_per_step" not in plain
 
 
 def test_step_profile_reports_preemptions_of_a_small_pool(tiny_dir, monkeypatch):
