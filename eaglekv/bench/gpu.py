@@ -6,7 +6,9 @@ shipped draft) and batch size (1, 4, 16, 64): total tokens/s of B greedy request
 `new_tokens` each (EOS ignored; the engines are built first and the repeats alternate between
 the modes, so drift hits every mode alike),
 the accept length, the speculative runner's host time per phase (draft, verify, accept,
-extend), and a profiler pass that counts device kernels and device time per step; HF
+extend), and a profiler pass that counts device kernels and device time per step, with the
+device's idle time by gap size and (speculative modes) the device time of each part of the
+step (draft, verify, accept, extend); HF
 transformers greedy at batch 1 beside them. `--llama8b` adds a Llama-3.1-8B-shaped model with
 random bf16 weights built on the device: its decode step (replayed graph) against the
 weight-streaming roofline at the measured copy bandwidth. JSON + PNG (tokens/s against batch
