@@ -59,6 +59,13 @@ MODES = {"plain": None,
          # H200 (2026-12-05), which the device's default candidates do not have
          "adaptive_eagle3_trees": dict(algorithm="eagle3", adaptive=True,
                                        shapes=((3, 1, 4), (5, 1, 6), (4, 2, 8), (6, 4, 16))),
+         # a randomly initialised EAGLE head (acceptance ~0): what speculation costs where
+         # its drafts always fail, fixed and adaptive (issue 15: it must not lose to plain)
+         "eagle_chain_S1K1N2_random_draft": dict(num_steps=1, topk=1, num_draft_tokens=2,
+                                                 draft_model="random"),
+         "eagle_chain_S3K1N4_random_draft": dict(num_steps=3, topk=1, num_draft_tokens=4,
+                                                 draft_model="random"),
+         "adaptive_random_draft": dict(adaptive=True, draft_model="random"),
          # built and run with every index check off (guard.unchecked): what the checks cost
          "plain_unchecked": None,
          "eagle_chain_S5K1N6_unchecked": dict(num_steps=5, topk=1, num_draft_tokens=6),
@@ -181,7 +188,8 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "sp1": ("eaglekv.kernels.attention", "MAX_SPLITS", 1),
                    "sp4": ("eaglekv.kernels.attention", "MAX_SPLITS", 4),
                    "gp1": ("eaglekv.kernels.greedy_triton", "SPLIT_MAX_ROWS", 0)}
-ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees")
+ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees",
+                  "adaptive_random_draft")
 
 
 def split_mode(mode: str) -> tuple[str, str | None]:
@@ -1030,7 +1038,8 @@ def compare(result: dict) -> None:
                 continue
             ad = modes[name + at]["rows"]
             # the same head's fixed shapes: the ones this adaptive mode chooses among
-            head = [f for f in fixed if f.startswith("eagle3") == ("eagle3" in name)]
+            head = [f for f in fixed if f.startswith("eagle3") == ("eagle3" in name)
+                    and f.endswith("_random_draft") == name.endswith("_random_draft")]
 
             def best(among, B):
                 return max([modes[f]["rows"][B]["tokens_per_s"] for f in among

@@ -313,6 +313,27 @@ def test_chained_modes_are_compared_with_one_step_a_sync():
     assert MODES["eagle_chain_S5K1N6_1step"] == MODES["eagle_chain_S5K1N6"]
 
 
+def test_a_random_draft_adaptive_is_judged_against_its_own_head():
+    """`adaptive_random_draft` (a randomly initialised head: drafts that always fail) is
+    compared with plain and the fixed shapes of the same random head, not with the shipped
+    head's; the shipped head's adaptive not with the random head's shapes' (here slower
+    anyway, so the best fixed is the shipped one's)."""
+    from eaglekv.bench.gpu import MODES, compare
+
+    def row(*tps):
+        return {"rows": {1: {"tokens_per_s": tps[0]}, 4: {"tokens_per_s": tps[1]}}}
+    result = {"modes": {"plain": row(10, 40), "eagle_chain_S3K1N4": row(20, 60),
+                        "eagle_chain_S3K1N4_random_draft": row(5, 20),
+                        "adaptive": row(20, 60), "adaptive_random_draft": row(9.9, 40)}}
+    compare(result)
+    rv = result["adaptive_random_draft_vs"]
+    assert rv[1] == pytest.approx({"plain": 0.99, "best_fixed": 9.9 / 20,
+                                   "best_fixed_same_head": 0.99})   # plain is the best there
+    assert rv[4]["best_fixed_same_head"] == 1.0
+    assert result["adaptive_vs"][1]["best_fixed_same_head"] == 1.0
+    assert MODES["adaptive_random_draft"]["draft_model"] == "random"
+
+
 def test_gemv_modes_are_compared_with_cublas(monkeypatch):
     """`*_gemv` / `*_cublas` modes capture their graphs with / without the Triton
     matrix-vector kernel (fused.FUSE_GEMV set while the engine is built, put back after; the
