@@ -66,6 +66,9 @@ MODES = {"plain": None,
          "eagle_chain_S3K1N4_random_draft": dict(num_steps=3, topk=1, num_draft_tokens=4,
                                                  draft_model="random"),
          "adaptive_random_draft": dict(adaptive=True, draft_model="random"),
+         # the exploration budget's unspent part kept without a cap (before 2026-12-06)
+         "adaptive_nocap": dict(adaptive=True),
+         "adaptive_random_draft_nocap": dict(adaptive=True, draft_model="random"),
          # built and run with every index check off (guard.unchecked): what the checks cost
          "plain_unchecked": None,
          "eagle_chain_S5K1N6_unchecked": dict(num_steps=5, topk=1, num_draft_tokens=6),
@@ -175,7 +178,7 @@ MODES = {"plain": None,
 # the adaptive comparison: that is with the shipped settings)
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
-            "_sp4", "_gp1", "_nogrope", "_nopg")
+            "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -187,7 +190,8 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "nogrope": ("eaglekv.kernels.fused", "FUSE_GEMV_ROPE", False),
                    "sp1": ("eaglekv.kernels.attention", "MAX_SPLITS", 1),
                    "sp4": ("eaglekv.kernels.attention", "MAX_SPLITS", 4),
-                   "gp1": ("eaglekv.kernels.greedy_triton", "SPLIT_MAX_ROWS", 0)}
+                   "gp1": ("eaglekv.kernels.greedy_triton", "SPLIT_MAX_ROWS", 0),
+                   "nocap": ("eaglekv.speculative.adaptive", "EXPLORE_CAP", float("inf"))}
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees",
                   "adaptive_random_draft")
 

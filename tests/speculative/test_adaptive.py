@@ -22,7 +22,8 @@ from eaglekv.config import SpecConfig  # noqa: E402
 from eaglekv.core import ForwardBatch  # noqa: E402
 from eaglekv.errors import ConfigError  # noqa: E402
 from eaglekv.speculative.adaptive import (  # noqa: E402
-    CATCHUP, CHAIN, EXPLORE_ALLOWANCE, PLAIN, AdaptivePolicy, Choice, CostTable, Shape, bucket)
+    CATCHUP, CHAIN, EXPLORE_ALLOWANCE, EXPLORE_CAP, PLAIN, AdaptivePolicy, Choice, CostTable,
+    Shape, bucket)
 from eaglekv.speculative.adaptive_worker import Lag  # noqa: E402
 from eaglekv.speculative.drafter import ScriptedDrafter  # noqa: E402
 from helpers import PROMPTS, fresh_kv, make_predictable, oracle, tiny_engine  # noqa: E402
@@ -240,6 +241,25 @@ def test_optimism_keeps_trying_a_shape_until_it_has_seen_enough():
     assert p.choose([r]).shape is None            # with a million: the estimate decides
 
 
+def test_unspent_exploration_budget_does_not_pile_up():
+    """What the exploration budget did not spend is kept up to EXPLORE_CAP plain tokens a
+    request of the step: after 10,000 tokens with nothing explored (100 tokens of budget), a
+    request tries an optimistic S3 about EXPLORE_CAP / 0.15 times (each costs 0.15 plain
+    tokens: S3 expected at 2.05 tokens for 2.2 plain steps), not all of 100 times."""
+    p = AdaptivePolicy([S3], CostTable.fixed({PLAIN: 1.0, S3.label: 2.2}))
+    bg, r = FakeReq(), FakeReq()
+    p.observe_plain([bg], 10_000)
+    p.observe_spec([r], S3, [0])                 # its free first try is behind it
+    tried = 0
+    for _ in range(100):
+        p.state(r).rates[:] = 0.35
+        p.state(r).nobs[:] = 2
+        tried += p.choose([r]).shape == S3
+    assert EXPLORE_CAP / 0.15 - 1 <= tried <= EXPLORE_CAP / 0.15 + 1, tried
+    room = p.explore_room + p.explore_budget * p.emitted
+    assert p.explore_spent > room - EXPLORE_CAP - 1e-9    # the excess was forfeited
+
+
 def test_optimism_is_budgeted():
     """Once a request has drafts of its own, choices only the optimism makes (S3 expected at
     2.05 tokens for 2.2 plain steps: each costs 0.15 plain tokens; of two requests, one
@@ -262,7 +282,10 @@ def test_optimism_is_budgeted():
     assert p.emitted == 1002 and p.explore_room == 3 * EXPLORE_ALLOWANCE
     room = p.explore_room + p.explore_budget * p.emitted
     assert p.explore_spent <= room + 1e-9
-    assert room / 0.15 - 2 <= tried <= room / 0.15 + 1, (tried, room)        # ~87 of 1000
+    # at the first budgeted try the room (3 requests' allowance + 1% of 2 tokens) was past
+    # EXPLORE_CAP for a batch of 1: the excess was forfeited, the rest spent as it came
+    usable = room - (3 * EXPLORE_ALLOWANCE + 0.02 - EXPLORE_CAP)
+    assert usable / 0.15 - 2 <= tried <= usable / 0.15 + 1, (tried, usable)  # ~80 of 1000
     p.state(r).rates[:] = 0.9                     # 3.43 tokens for 2.2: pays on its own
     assert p.choose([r]).shape == S3
     two = AdaptivePolicy([S3], CostTable.fixed({PLAIN: 1.0, S3.label: 2.2}))
@@ -1188,10 +1211,13 @@ def test_a_batch_s_plain_horizon_follows_its_mean_rates():
 def test_batch_1_with_the_horizon_stays_near_the_best_fixed_shape():
     """The batch-1 policy against fixed S5 with the H100's costs, drafts accepted
     independently with q (S5 accepts 2.7-4.2 tokens; plain is 0.71-0.83x S5 here): the
-    adaptive run's time over 40 requests of 256 tokens is within 0.4% / 2.5% / 4.4% of S5's
+    adaptive run's time over 40 requests of 256 tokens is within 0.4% / 2.5% / 4.6% of S5's
     at q = 0.905 / 0.85 / 0.8 where its all-plain steps decode only their horizon; with
     whole 32-token chains it took 1.0% / 4.0% / 6.5% longer (independent dips make it go
-    plain, and each cost a whole chain; real text's dips come in runs, where plain pays)."""
+    plain, and each cost a whole chain; real text's dips come in runs, where plain pays).
+    (4.4% at q = 0.8 before EXPLORE_CAP: the unspent exploration budget no longer piles up,
+    which in the replay of `eaglekv.testing.adaptive_sim` lifts text whose drafts fail from
+    0.90-0.92x to 0.95x plain.)"""
     def run(q: float, horizon: bool) -> tuple[float, float]:
         p, t, t_fixed = h100_policy(), 0.0, 0.0
         for seed in range(40):
@@ -1214,7 +1240,7 @@ def test_batch_1_with_the_horizon_stays_near_the_best_fixed_shape():
     for q in (0.905, 0.85, 0.8):
         with_h, plain = run(q, True)
         without = run(q, False)[0]
-        assert with_h <= 1.045 and with_h < without - 0.005 and plain > 1.2, (q, with_h, without)
+        assert with_h <= 1.047 and with_h < without - 0.005 and plain > 1.2, (q, with_h, without)
 
 
 # ---- choices that run as chains (CUDA graphs): shrunk rates, chain costs from a neighbour ------
