@@ -10,6 +10,8 @@
   chain:     plain decoding at batch 1 on a random SmolLM2-shaped model, chains of 8, 16, 32,
              64 greedy steps per engine step (num_scheduler_steps).
   gemv2:     a bare Triton matrix-vector kernel over its tilings against cuBLAS at M = 1.
+  gemvdot:   the gemv kernel's tensor-core tile (5-16 rows) over its tilings against cuBLAS
+             and cuBLAS with the glue kernels, SmolLM2's matmuls at M = 6, 8, 16.
 
     PYTHONPATH=. python3 bench/explore_h200.py OUT_DIR [--parts matmul,attention,chain]
 """
@@ -142,17 +144,30 @@ def part_gemv() -> list[dict]:
     separate Triton glue kernels (add_rms_norm before, silu_and_mul after), on SmolLM2's and
     the 8B's decode matmuls (column-major weights, M = 1 and 4), each over enough weight
     copies to stream from HBM, in one CUDA graph."""
+    return _gemv_sweep(lambda name: () if "lm_head" in name else
+                       (1, 4) if name.startswith("smollm2") else (1,), (2, 4, 8), (256, 1024),
+                       (2, 4))
+
+
+def part_gemvdot() -> list[dict]:
+    """The same for the kernel's tensor-core tile (5-16 rows: S5's 6-token verify window, a
+    tree's 8 or 16, decode batches of 8 and 16) on SmolLM2's matmuls, over its tilings."""
+    return _gemv_sweep(lambda name: (6, 16) if name.startswith("smollm2") else (),
+                       (16, 32), (64, 128, 256), (2, 4))
+
+
+def _gemv_sweep(rows_of, block_ns, block_ks, warps) -> list[dict]:
     from eaglekv.kernels import fused
     from eaglekv.kernels.fused_triton import gemv_triton
     rows = []
     for name, (K, N) in SHAPES.items():
-        if "lm_head" in name:
+        if not rows_of(name):
             continue
         nbytes = K * N * 2
         copies = max(2, min(64, -(-400_000_000 // nbytes)))
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16).t() for _ in range(copies)]
         silu = "gate_up" in name
-        for M in ((1, 4) if name.startswith("smollm2") else (1,)):
+        for M in rows_of(name):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             nw = torch.ones(K, device="cuda", dtype=torch.bfloat16)
             r = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -173,9 +188,9 @@ def part_gemv() -> list[dict]:
                 best["cublas_glue_us"] = round(1e3 * graph_time(glue) / copies, 2)
             except ValueError as e:
                 best["cublas_glue_us"] = repr(e)[:120]
-            for bn in (2, 4, 8):
-                for bk in (256, 1024):
-                    for nwarps in (2, 4):
+            for bn in block_ns:
+                for bk in block_ks:
+                    for nwarps in warps:
                         def fn():
                             for w in ws:
                                 gemv_triton(x, r, nw, 1e-5, w, silu, fused._check_gemv,

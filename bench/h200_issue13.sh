@@ -10,6 +10,7 @@
 #   bench/h200_issue13.sh diag    # pg alone and adaptive's step trace (see the case below)
 #   bench/h200_issue13.sh tiles   # the decode kernel's tile (bench/decode_tiles.py)
 #   bench/h200_issue13.sh adaptive  # adaptive against its fixed shapes and plain
+#   bench/h200_issue13.sh dot     # the gemv's tensor-core tile (5-16 rows): tilings, then engine
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
 #                                 # (the whole suite takes ~7 min on an H100: split it, e.g.
 #                                 # tests/kernels, then tests/speculative tests/engine ...)
@@ -84,6 +85,34 @@ case "${1:-bench}" in
     # a batch-64 run ~1 ms slower, 7% of the run, and the median of two is their mean)
     MODES=${MODES:-plain,eagle_chain_S5K1N6,eagle_chain_S3K1N4,eagle_tree_S4K2N8,adaptive} \
       REPEATS=${REPEATS:-5} LLAMA8B=${LLAMA8B:-" "} FLOOR=${FLOOR:-0} "$0" bench
+    ;;
+  dot)
+    # 2026-12-06 (twelfth session): the gemv kernel's tensor-core tile for 5-16 rows. First its
+    # tilings against cuBLAS (+ glue) at M = 6 and 16 (bench/explore_h200.py --parts gemvdot),
+    # the tiling with the least summed time at M = 6 (S5's verify at batch 1) taken for the
+    # engine runs (EAGLEKV_GEMV_DOT_CONFIG, unless set), then the engine with and without it
+    if [ -z "${EAGLEKV_GEMV_DOT_CONFIG:-}" ]; then
+      timeout "${SWEEP_TIMEOUT:-200}" python3 bench/explore_h200.py "$OUT" --parts gemvdot 2>&1 | tail -8
+      EAGLEKV_GEMV_DOT_CONFIG=$(python3 - "$OUT/explore_h200.json" <<'PY'
+import collections, json, sys
+rows = json.load(open(sys.argv[1]))["gemvdot"]
+tot = collections.Counter()
+for r in rows:
+    if r["M"] == 6:
+        for c in r["configs"]:
+            tot[(c["block_n"], c["block_k"], c["num_warps"])] += c["us"]
+n = max(tot.values(), default=0) and sum(1 for r in rows if r["M"] == 6)
+full = {k: v for k, v in tot.items()
+        if sum(1 for r in rows if r["M"] == 6 for c in r["configs"]
+               if (c["block_n"], c["block_k"], c["num_warps"]) == k) == n}
+print(",".join(map(str, min(full, key=full.get))) if full else "16,128,4")
+PY
+)
+      export EAGLEKV_GEMV_DOT_CONFIG
+    fi
+    echo "EAGLEKV_GEMV_DOT_CONFIG=$EAGLEKV_GEMV_DOT_CONFIG"
+    MODES=${MODES:-plain,plain_dot,eagle_chain_S5K1N6,eagle_chain_S5K1N6_dot,eagle_chain_S5K1N6_dot_xpdl,eagle_tree_S4K2N8,eagle_tree_S4K2N8_dot} \
+      BATCHES=${BATCHES:-1,4,16} LLAMA8B=${LLAMA8B:-" "} FLOOR=${FLOOR:-0} "$0" bench
     ;;
   tiles)
     python3 bench/decode_tiles.py --out "$OUT/decode_tiles.json" 2>&1 | tail -8

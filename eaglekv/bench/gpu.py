@@ -172,13 +172,29 @@ MODES = {"plain": None,
          "eagle_chain_S5K1N6_nogrope": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "eagle_chain_S5K1N6_gemv8_gt1k_xpdl_grope_pg": dict(num_steps=5, topk=1,
                                                              num_draft_tokens=6),
-         "adaptive_grope_pg": dict(adaptive=True)}
+         "adaptive_grope_pg": dict(adaptive=True),
+         # the gemv kernel's tensor-core tile for 5-16 rows (fused.GEMV_DOT_MAX_ROWS 16): S5's
+         # 6-token verify at batch 1 and a tree's 8 or 16 then run Triton to Triton (qkv with
+         # norm + RoPE + store, o, gate_up with norm + SiLU*mul, down), as the decode does;
+         # decode batches of 5-16 too. `_nodot`: cuBLAS and the glue kernels for them
+         "plain_dot": None,
+         "plain_nodot": None,
+         "eagle_chain_S5K1N6_dot": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         "eagle_chain_S5K1N6_nodot": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         "eagle_chain_S5K1N6_dot_xpdl": dict(num_steps=5, topk=1, num_draft_tokens=6),
+         "eagle_tree_S4K2N8_dot": dict(num_steps=4, topk=2, num_draft_tokens=8),
+         "eagle3_chain_S5K1N6_dot": dict(algorithm="eagle3", num_steps=5, topk=1,
+                                         num_draft_tokens=6),
+         "eagle3_tree_S6K4N16_dot": dict(algorithm="eagle3", num_steps=6, topk=4,
+                                         num_draft_tokens=16),
+         "adaptive_dot": dict(adaptive=True),
+         "adaptive_nodot": dict(adaptive=True)}
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
-            "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap")
+            "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -191,7 +207,9 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "sp1": ("eaglekv.kernels.attention", "MAX_SPLITS", 1),
                    "sp4": ("eaglekv.kernels.attention", "MAX_SPLITS", 4),
                    "gp1": ("eaglekv.kernels.greedy_triton", "SPLIT_MAX_ROWS", 0),
-                   "nocap": ("eaglekv.speculative.adaptive", "EXPLORE_CAP", float("inf"))}
+                   "nocap": ("eaglekv.speculative.adaptive", "EXPLORE_CAP", float("inf")),
+                   "dot": ("eaglekv.kernels.fused", "GEMV_DOT_MAX_ROWS", 16),
+                   "nodot": ("eaglekv.kernels.fused", "GEMV_DOT_MAX_ROWS", 0)}
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees",
                   "adaptive_random_draft")
 

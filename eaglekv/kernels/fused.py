@@ -184,6 +184,19 @@ def norm_matmul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
 # ------------------------------------------------------------------------------------ gemv
 
 GEMV_MAX_ROWS = 4            # decode-sized batches; from 8 rows on cuBLAS's tiles win
+# 5-16 rows (a verify window at batch 1: S5's 6 tokens, a tree's 8 or 16; decode batches of 5-16)
+# go to the kernel's tensor-core tile (fused_triton.gemv_tiling) when GEMV_DOT_MAX_ROWS allows:
+# then a verify layer is Triton to Triton like the decode's (qkv + norm + RoPE + store, o,
+# gate_up + norm + SiLU*mul, down: four launches where cuBLAS and its glue are eight).
+# Off by default (EAGLEKV_GEMV_DOT=1 on; the bench's `_dot` / `_nodot` modes compare): measured
+# on an H100 on 2026-12-06 (bench/results/explore_gemvdot_h100_20261206.json, at its best tiling
+# 32 / 256 / 4) the tile runs SmolLM2's matmuls at 6 rows in 6.1 / 5.7 / 7.8 / 10.2 us (qkv with
+# the norm, o, gate_up with norm and SiLU, down) where cuBLAS with its glue kernels takes 5.4 /
+# 3.6 / 7.6 / 5.0: its 16-column blocks give o and down 36 programs for 132 SMs. In the engine
+# (gpu_bench_h100_20261206_gemv_dot.json, one process) S5 at batch 1 ran 0.96x the shipped
+# engine (1.01x with the extend attention under PDL too, `_dot_xpdl`), plain at 4 and 16
+# rows 0.97x / 0.95x, the S4/K2/N8 tree 0.95x.
+GEMV_DOT_MAX_ROWS = 0 if os.environ.get("EAGLEKV_GEMV_DOT", "0") == "0" else 16
 # On by default on CUDA since 2026-12-05 for the matmuls it carries glue with: at the tiling of
 # `fused_triton.GEMV_CONFIG` the kernel with the add + RMSNorm prologue runs SmolLM2's qkv in
 # 3.3 us where cuBLAS and the separate norm kernel take 5.4, gate_up with SiLU*mul 4.8 against
@@ -229,7 +242,8 @@ def use_gemv(x: torch.Tensor, w: torch.Tensor, fused: bool = False) -> bool:
     """The gemv kernel takes this matmul: on for it (`gemv_on`; `fused`: with the norm
     prologue), a decode-sized x (M <= GEMV_MAX_ROWS) on a Triton device and a column-major w
     (see `column_major`)."""
-    return (gemv_on(x.device, fused) and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS
+    return (gemv_on(x.device, fused) and x.dim() == 2
+            and 0 < x.shape[0] <= max(GEMV_MAX_ROWS, GEMV_DOT_MAX_ROWS)
             and w.dim() == 2 and w.stride(0) == 1 and w.shape[1] > 1 and use_triton(x))
 
 
@@ -355,7 +369,7 @@ def use_gemv_rope(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
         return False
     if GEMV_ROPE_MAX_BYTES is not None and w.numel() * w.element_size() > GEMV_ROPE_MAX_BYTES:
         return False
-    bn = _triton_impl().GEMV_CONFIG["block_n"]
+    bn = _triton_impl().gemv_tiling(x.shape[0], x.shape[1])[1]
     return bn % 2 == 0 and head_dim % bn == 0
 
 

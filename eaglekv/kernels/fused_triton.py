@@ -304,26 +304,67 @@ def gemv_block_k(M: int, K: int, block_k: int | None = None) -> int:
     return min(bk, max(16, _pow2(K)))
 
 
+# The tensor-core tile, for 5-16 rows (a verify window of 5-16 tokens at batch 1, a decode
+# batch of 5-16): rows padded to BLOCK_M = 16 and the products by tl.dot (`_gemv_acc`), where
+# the register tile above needs (BLOCK_M, BLOCK_N, BLOCK_K) fp32 products (214-254 registers a
+# thread at 8 rows: S5's verify in it ran 2.5x the device time of cuBLAS). BLOCK_N even and
+# dividing head_dim keeps the RoPE epilogue's whole pairs. EAGLEKV_GEMV_DOT_CONFIG=
+# "block_n,block_k,num_warps" overrides it (read at import).
+GEMV_BCAST_MAX_ROWS = 4
+GEMV_DOT_CONFIG = dict(zip(("block_n", "block_k", "num_warps"),
+                           (int(v) for v in os.environ.get("EAGLEKV_GEMV_DOT_CONFIG",
+                                                           "16,128,4").split(","))))
+
+
+def gemv_tiling(M: int, K: int, block_n: int | None = None, block_k: int | None = None,
+                num_warps: int | None = None) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, DOT) of the gemv for M rows of K: the register
+    tile up to GEMV_BCAST_MAX_ROWS rows, the tensor-core tile (GEMV_DOT_CONFIG) above."""
+    if M <= GEMV_BCAST_MAX_ROWS:
+        return (_pow2(M), block_n or GEMV_CONFIG["block_n"], gemv_block_k(M, K, block_k),
+                num_warps or GEMV_CONFIG["num_warps"], False)
+    bk = min(block_k or GEMV_DOT_CONFIG["block_k"], max(16, _pow2(K)))
+    return (max(16, _pow2(M)), block_n or GEMV_DOT_CONFIG["block_n"], bk,
+            num_warps or GEMV_DOT_CONFIG["num_warps"], True)
+
+
 @triton.jit
-def _gemv_input(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, kk, km, x_s0, r_s0, K, inv,
-                STORE_RESIDUAL, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                BY_HAND: tl.constexpr):
-    """The gemv's input tile, columns kk: the normed rows (`_norm_rows`) or x as it is, in
-    fp32 as (BLOCK_M, 1, BLOCK_K)."""
+def _gemv_rows(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, kk, km, x_s0, r_s0, K, inv,
+               STORE_RESIDUAL, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+               BY_HAND: tl.constexpr):
+    """The gemv's input tile, columns kk: the normed rows (`_norm_rows`) or x as it is,
+    (BLOCK_M, BLOCK_K) in x's dtype."""
     if NORM:
         h = _norm_rows(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, kk, km, x_s0, r_s0, K, inv,
                        HAS_RESIDUAL, STORE_RESIDUAL, BY_HAND)
     else:
         h = tl.load(x_ptr + rows[:, None] * x_s0 + kk[None, :], mask=rm[:, None] & km[None, :],
                     other=0.0)
-    return h.to(tl.float32)[:, None, :]
+    return h
+
+
+@triton.jit
+def _gemv_acc(acc, h, w, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """acc (BLOCK_M, BLOCK_N) fp32 += h (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K)^T: fp32
+    products summed in fp32 either way. DOT: on the tensor cores (BLOCK_M >= 16; IEEE: fp32
+    inputs, or the CPU interpreter, in full fp32 rather than tf32); else broadcast and sum in
+    registers (the one-row tile: no padding to 16 rows)."""
+    if DOT:
+        if IEEE:
+            acc += tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(h, tl.trans(w.to(h.dtype)))
+    else:
+        acc += tl.sum(h.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return acc
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s0, r_s0,
                  w_sk, w_sn, eps, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BY_HAND: tl.constexpr, USE_GDC: tl.constexpr = False):
+                 BLOCK_K: tl.constexpr, BY_HAND: tl.constexpr, USE_GDC: tl.constexpr = False,
+                 DOT: tl.constexpr = False, IEEE: tl.constexpr = False):
     """Program j: output columns [j*BLOCK_N, (j+1)*BLOCK_N) of all M <= BLOCK_M rows of
         h = x                                              (NORM off), or
         s = round(x + r); h = round(s * rsqrt(mean(s^2) + eps) * nw)    (NORM, as norm_matmul)
@@ -333,13 +374,15 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s
     streams BLOCK_N whole weight rows, so a decode-sized matmul spreads over N / BLOCK_N
     programs with no split-K. fp32 products summed in fp32, rounded once. Programs j == 0
     write the new residual s. USE_GDC (PDL, kernels/pdl.py): the first weight tile is loaded
-    before waiting on the kernel before (the weights are no kernel's output), the rest after."""
+    before waiting on the kernel before (the weights are no kernel's output), the rest after.
+    DOT (BLOCK_M >= 16: 5-16 rows, a verify window or a small batch): the products on the
+    tensor cores (`_gemv_acc`)."""
     j = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
     cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     y = _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, N_OUT, x_s0, r_s0, w_sk, w_sn,
                    eps, j, rows, cols, out_ptr.dtype.element_ty, NORM, HAS_RESIDUAL, SILU,
-                   BLOCK_M, BLOCK_N, BLOCK_K, BY_HAND, USE_GDC)
+                   BLOCK_M, BLOCK_N, BLOCK_K, BY_HAND, USE_GDC, DOT, IEEE)
     tl.store(out_ptr + rows[:, None] * N_OUT + cols[None, :], y,
              mask=(rows < M)[:, None] & (cols < N_OUT)[None, :])
 
@@ -348,7 +391,8 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s
 def _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, N_OUT, x_s0, r_s0, w_sk, w_sn, eps,
                j, rows, cols, dt: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, BY_HAND: tl.constexpr, USE_GDC: tl.constexpr):
+               BLOCK_K: tl.constexpr, BY_HAND: tl.constexpr, USE_GDC: tl.constexpr,
+               DOT: tl.constexpr, IEEE: tl.constexpr):
     """`_gemv_kernel`'s product for output columns `cols` of rows `rows`, rounded to `dt`
     (BLOCK_M, BLOCK_N); the dependents may launch once it returns (USE_GDC)."""
     rm = rows < M
@@ -378,24 +422,23 @@ def _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, N_OUT, x_s0, r_s0, w_
             s = s.to(tl.float32)
             sq += tl.sum(s * s, axis=1)
         inv = tl.rsqrt(sq / K + eps)
-    h = _gemv_input(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, ks, km0, x_s0, r_s0, K, inv,
-                    j == 0, NORM, HAS_RESIDUAL, BY_HAND)                  # pass 2: h @ W
-    acc = tl.sum(h * w0.to(tl.float32)[None, :, :], axis=2)              # (BM, BN)
+    h = _gemv_rows(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, ks, km0, x_s0, r_s0, K, inv,
+                   j == 0, NORM, HAS_RESIDUAL, BY_HAND)                   # pass 2: h @ W
+    acc = _gemv_acc(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), h, w0, DOT, IEEE)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SILU:
-        acc2 += tl.sum(h * u0.to(tl.float32)[None, :, :], axis=2)
+        acc2 = _gemv_acc(acc2, h, u0, DOT, IEEE)
     for k0 in range(BLOCK_K, K, BLOCK_K):                                 # the other tiles
         kk = k0 + ks
         km = kk < K
-        h = _gemv_input(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, kk, km, x_s0, r_s0, K, inv,
-                        j == 0, NORM, HAS_RESIDUAL, BY_HAND)
+        h = _gemv_rows(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, kk, km, x_s0, r_s0, K, inv,
+                       j == 0, NORM, HAS_RESIDUAL, BY_HAND)
         wm = cm[:, None] & km[None, :]
         w_at = w_ptr + cols[:, None] * w_sn + kk.to(tl.int64)[None, :] * w_sk   # (BN, BK)
-        w = tl.load(w_at, mask=wm, other=0.0).to(tl.float32)
-        acc += tl.sum(h * w[None, :, :], axis=2)
+        acc = _gemv_acc(acc, h, tl.load(w_at, mask=wm, other=0.0), DOT, IEEE)
         if SILU:
-            u = tl.load(w_at + N_OUT * w_sn, mask=wm, other=0.0).to(tl.float32)
-            acc2 += tl.sum(h * u[None, :, :], axis=2)
+            acc2 = _gemv_acc(acc2, h, tl.load(w_at + N_OUT * w_sn, mask=wm, other=0.0), DOT,
+                             IEEE)
     if USE_GDC:
         gdc_launch_dependents()
     y = _round(acc, dt, BY_HAND)
@@ -414,9 +457,7 @@ def gemv_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, check,
     norm = norm_weight is not None
     r = x if residual is None else residual
     M, K = x.shape
-    bn = block_n or GEMV_CONFIG["block_n"]
-    bk = gemv_block_k(M, K, block_k)
-    nw = num_warps or GEMV_CONFIG["num_warps"]
+    bm, bn, bk, nw, dot = gemv_tiling(M, K, block_n, block_k, num_warps)
     use_pdl = pdl.enabled(x.device)
     key = (_sig(x), residual is None, _sig(r), norm and _sig(norm_weight), _sig(w), silu_mul,
            bn, bk, nw, use_pdl)
@@ -431,7 +472,8 @@ def gemv_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, check,
         args = (x, r, norm_weight if norm else x, w, out,
                 new_res if new_res is not None else out, M, K, n_out, x.stride(0),
                 r.stride(0), w.stride(0), w.stride(1), eps, norm, residual is not None,
-                silu_mul, _pow2(M), bn, bk, not x.is_cuda, use_pdl)
+                silu_mul, bm, bn, bk, not x.is_cuda, use_pdl, dot,
+                x.dtype == torch.float32 or not x.is_cuda)
         _GEMV.launch(hit, key, (-(-n_out // bn), 1), args, x.get_device(),
                      num_warps=nw, num_stages=2, **pdl.launch_options(use_pdl))
     return out, new_res
@@ -447,7 +489,8 @@ def _gemv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, x_s0, r_s0, w_
                       H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                       HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, BY_HAND: tl.constexpr, CHECK: tl.constexpr,
-                      ASSERT: tl.constexpr, USE_GDC: tl.constexpr = False):
+                      ASSERT: tl.constexpr, USE_GDC: tl.constexpr = False,
+                      DOT: tl.constexpr = False, IEEE: tl.constexpr = False):
     """`_gemv_kernel`'s add + RMSNorm + qkv product (columns [j*BLOCK_N, (j+1)*BLOCK_N) of
     the (H + 2Hkv) * D, rounded as the matmul's output), then `_rope_store_qkv_kernel`'s
     epilogue on them: pair (2i, 2i+1) of a q or k head rotated by cos/sin[pos[t], i] and
@@ -463,7 +506,7 @@ def _gemv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, x_s0, r_s0, w_
     cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     y = _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, NQKV, x_s0, r_s0, w_sk, w_sn,
                    eps, j, rows, cols, q_ptr.dtype.element_ty, True, HAS_RESIDUAL, False,
-                   BLOCK_M, BLOCK_N, BLOCK_K, BY_HAND, USE_GDC)                # (BM, BN)
+                   BLOCK_M, BLOCK_N, BLOCK_K, BY_HAND, USE_GDC, DOT, IEEE)     # (BM, BN)
     pos = tl.load(pos_ptr + rows * p_s0, mask=rm, other=0).to(tl.int64)        # (BM,)
     slot = tl.load(loc_ptr + rows * l_s0, mask=rm, other=0).to(tl.int64)
     pos_ok, slot_ok = _rope_ok(pos, slot, num_pos, size_limit, CHECK)
@@ -506,9 +549,7 @@ def gemv_rope_store_triton(x, residual, norm_weight, eps: float, w, cos, sin, po
     new residual). `check(...)`: fused._check_gemv_rope's arguments, on a new signature only."""
     M, K = x.shape
     D = k_cache.shape[-1]
-    bn = GEMV_CONFIG["block_n"]
-    bk = gemv_block_k(M, K)
-    nw = GEMV_CONFIG["num_warps"]
+    bm, bn, bk, nw, dot = gemv_tiling(M, K)
     use_pdl = pdl.enabled(x.device)
     key = (_sig(x), residual is None, residual is not None and _sig(residual), _sig(norm_weight),
            _sig(w), _sig(cos), _sig(sin), _sig(positions), _sig(out_cache_loc), _sig(k_cache),
@@ -531,7 +572,8 @@ def gemv_rope_store_triton(x, residual, norm_weight, eps: float, w, cos, sin, po
             sin.stride(1), positions, positions.stride(0), out_cache_loc,
             out_cache_loc.stride(0), q, k_cache, v_cache, guard.err, pos_call, slot_call,
             cos.shape[0], size_limit, num_heads, num_kv_heads, D, residual is not None,
-            _pow2(M), bn, bk, not x.is_cuda, FLAGS.checks, FLAGS.device_assert, use_pdl)
+            bm, bn, bk, not x.is_cuda, FLAGS.checks, FLAGS.device_assert, use_pdl, dot,
+            x.dtype == torch.float32 or not x.is_cuda)
     # tl.device_assert is compiled in only with debug=True
     _GEMV_ROPE.launch(hit, key, (-(-n_out // bn), 1), args, x.get_device(), num_warps=nw,
                       num_stages=2, debug=FLAGS.device_assert, **pdl.launch_options(use_pdl))

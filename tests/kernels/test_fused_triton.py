@@ -616,9 +616,11 @@ def test_norm_matmul_bad_arguments_name_the_value(fuse_norm_matmul):
 # ------------------------------------------------------------------------------------ gemv
 # (M, K, N): decode rows of the default model's matmuls (qkv, o, gate_up, down) on the GPU,
 # partial blocks of BLOCK_N and BLOCK_K under the interpreter
-GEMV_SHAPES = [(1, 64, 96), (3, 96, 40), (4, 300, 24), (6, 64, 40)] + (
+GEMV_SHAPES = [(1, 64, 96), (3, 96, 40), (4, 300, 24), (6, 64, 40), (16, 200, 48),
+               (9, 40, 24)] + (
     [(1, 576, 960), (2, 576, 576), (1, 576, 2 * 1536), (4, 1536, 576), (1, 4096, 6144),
-     (6, 576, 960), (8, 576, 2 * 1536)]       # the bench's gemv8 modes: S5's verify rows
+     (6, 576, 960), (8, 576, 2 * 1536),       # S5's and a tree's verify rows (dot tile)
+     (16, 576, 960), (16, 1536, 576), (6, 576, 49152), (12, 4096, 6144)]
     if ON_GPU else [])
 
 
@@ -656,6 +658,22 @@ def test_gemv_matches_reference(M, K, N, dtype, prologue, silu, layout, monkeypa
     scale = want.double().abs().max().clamp_min(1e-3)
     err = (got.cpu().double() - want.cpu().double()).abs().max() / scale
     assert err <= MATMUL_TOL[dtype], f"max error {float(err):.3g} of the output's scale"
+
+
+def test_gemv_rows_limits(monkeypatch):
+    """Up to GEMV_MAX_ROWS rows the register tile; 5-16 rows the tensor-core tile, taken only
+    while GEMV_DOT_MAX_ROWS allows (off by default until measured); never 17 rows."""
+    from eaglekv.kernels import fused
+    ft = fused._triton_impl()
+    monkeypatch.setattr(fused, "FUSE_GEMV", True)
+    w = fused.column_major(randn(64, 32, seed=4))
+    assert [ft.gemv_tiling(M, 64)[4] for M in (1, 4, 5, 16)] == [False, False, True, True]
+    assert ft.gemv_tiling(5, 64)[0] == 16 and ft.gemv_tiling(16, 64)[0] == 16
+    monkeypatch.setattr(fused, "GEMV_DOT_MAX_ROWS", 0)
+    assert [fused.use_gemv(randn(M, 64), w) for M in (4, 5, 16)] == [True, False, False]
+    monkeypatch.setattr(fused, "GEMV_DOT_MAX_ROWS", 16)
+    assert [fused.use_gemv(randn(M, 64), w) for M in (4, 5, 16, 17)] == [True, True, True,
+                                                                         False]
 
 
 @pytest.mark.parametrize("tiling", [(8, 128, 2), (2, 32, 1), (16, 1024, 4)])

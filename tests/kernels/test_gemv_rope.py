@@ -38,6 +38,7 @@ def _fused_on(monkeypatch):
         monkeypatch.setenv("EAGLEKV_TRITON_ON_CPU", "1")
     monkeypatch.setattr(fused, "FUSE_GEMV", True)         # the CPU interpreter too
     monkeypatch.setattr(fused, "FUSE_GEMV_ROPE", True)
+    monkeypatch.setattr(fused, "GEMV_DOT_MAX_ROWS", 16)   # 5-16 rows: the tensor-core tile
 
 
 def randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
@@ -113,9 +114,13 @@ I32, I64, F32, F16, BF16 = torch.int32, torch.int64, torch.float32, torch.float1
 CASES = [(1, 9, 3, 64, BF16, I64, True), (4, 4, 4, 16, F16, I32, True),
          (3, 4, 2, 8, F32, I64, False), (1, 4, 2, 8, BF16, I32, False),
          (4, 4, 2, 32, F32, I32, True), (3, 4, 4, 16, BF16, I64, True),
-         (2, 4, 2, 8, F16, I64, False)]
+         (2, 4, 2, 8, F16, I64, False),
+         # the tensor-core tile (5-16 rows: a verify window), its column block 16 wide
+         (6, 9, 3, 64, BF16, I64, True), (16, 4, 2, 16, F32, I32, False),
+         (9, 4, 4, 32, F16, I32, True)]
 if ON_GPU:
-    CASES += [(M, H, Hkv, D, dt, ix, r) for M in (1, 4) for H, Hkv, D in HEADS
+    CASES += [(M, H, Hkv, D, dt, ix, r) for M in (1, 4, 6, 16) for H, Hkv, D in HEADS
+              if M <= 4 or D % 16 == 0
               for dt in DTYPES for ix in (I32, I64) for r in (True, False)]
 
 
@@ -206,6 +211,14 @@ def test_on_for_small_qkv_weights_and_only_for_whole_pairs(monkeypatch):
     close(q, q2, torch.float32)
     assert torch.equal(res, res2)
     close(kc, kc2, torch.float32)
+    # 6 rows take the tensor-core tile, whose column block (16) must divide head_dim too
+    a6 = case(6, 4, 2, 8, torch.float32, torch.int64)
+    assert fused._triton_impl().gemv_tiling(6, 64)[1] == 16
+    assert fused.use_gemv(a6["x"], a6["w"], fused=True)
+    assert not fused.use_gemv_rope(a6["x"], a6["w"], 8)
+    q, res, kc, vc = run(fused.norm_matmul_rope_store, a6)          # the two kernels
+    q3, res3, kc3, vc3 = run(reference, a6)
+    close(q, q3, torch.float32)
 
 
 def test_bad_arguments_name_the_value():
