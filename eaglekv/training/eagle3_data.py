@@ -40,6 +40,9 @@ class Eagle3Data(FeatureData):
         return self.tokens[idx], self.aux[idx], self.feats[idx], self.argmax[idx], mask
 
 
+ARGMAX_CHUNK = 8192     # positions whose full-vocabulary logits exist at once
+
+
 @torch.no_grad()
 def extract_eagle3_features(model, seqs: list[dict], aux_layers: tuple[int, ...], *,
                             max_batch_tokens: int = 65536, dtype=torch.bfloat16) -> Eagle3Data:
@@ -62,7 +65,11 @@ def extract_eagle3_features(model, seqs: list[dict], aux_layers: tuple[int, ...]
         out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         a = torch.cat([out.hidden_states[i + 1] for i in aux_layers], -1)   # (b, T, 3H)
         f = out.last_hidden_state                                            # (b, T, H)
-        top = (f @ lm_head.t()).argmax(-1)                                   # (b, T)
+        # the target's argmax a chunk of positions at a time: (b * T, V) logits at once were
+        # 12 GiB for a 65536-token group (fp32, SmolLM2), an OOM beside 10M tokens' features
+        flat = f.reshape(-1, H)
+        top = torch.cat([(flat[i:i + ARGMAX_CHUNK] @ lm_head.t()).argmax(-1)
+                         for i in range(0, flat.shape[0], ARGMAX_CHUNK)]).view(f.shape[:2])
         for b, i in enumerate(which):
             sl, n = slice(offsets[i], offsets[i + 1]), offsets[i + 1] - offsets[i]
             tokens[sl] = ids[b, :n]
