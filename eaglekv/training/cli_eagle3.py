@@ -54,7 +54,8 @@ def cmd_train_eagle3(args, seqs: list[dict], command_line: str, out) -> dict:
     from eaglekv.model.draft_io import save_draft_dir
     from eaglekv.model.eagle3 import Eagle3DraftModel
     from eaglekv.training.data import load_target
-    from eaglekv.training.eagle3_data import extract_eagle3_features
+    from eaglekv.training.eagle3_data import (extract_eagle3_features, feature_bytes,
+                                              features_device)
     from eaglekv.training.eagle3_head import eagle3_head_for_target
     from eaglekv.training.eagle3_loop import Targets, evaluate_eagle3, train_eagle3
     from eaglekv.training.vocab import DraftVocab, choose_draft_vocab
@@ -72,12 +73,15 @@ def cmd_train_eagle3(args, seqs: list[dict], command_line: str, out) -> dict:
     train_ids, eval_ids = split_ids(seqs, args.eval_every)
     t = time.time()
     torch.backends.cuda.matmul.allow_tf32 = True     # the fp32 target pass in TF32 on a GPU
-    data = extract_eagle3_features(model, seqs, aux_layers,
-                                   dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    fdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    store = features_device(getattr(args, "features_on", "auto"), dev,
+                            feature_bytes(sum(len(s["ids"]) for s in seqs), cfg.hidden_size, fdt))
+    data = extract_eagle3_features(model, seqs, aux_layers, dtype=fdt, store=store)
     torch.backends.cuda.matmul.allow_tf32 = False
     log["feature_seconds"] = round(time.time() - t, 1)
     log["feature_precision"] = ("fp32 target, TF32 matmuls, stored bf16" if dev.type == "cuda"
                                 else "fp32")
+    log["features_on"] = str(store)
     embed = model.get_input_embeddings().weight.detach()
     lm_head = model.get_output_embeddings().weight.detach()
     final_norm = model.model.norm.weight.detach()

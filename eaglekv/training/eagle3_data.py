@@ -37,18 +37,48 @@ class Eagle3Data(FeatureData):
             start[b] = max(self.seqs[i]["n_prompt"] - 1, 0)
         idx = idx.to(self.tokens.device)
         mask = (idx != self.pad_row) & (torch.arange(T, device=idx.device) >= start.to(idx.device))
-        return self.tokens[idx], self.aux[idx], self.feats[idx], self.argmax[idx], mask
+        aux, final = self.aux, self.feats
+        if aux.device != idx.device:     # features kept in host memory: gather there, then copy
+            hidx = idx.cpu()
+            return (self.tokens[idx], aux[hidx].to(idx.device, non_blocking=True),
+                    final[hidx].to(idx.device, non_blocking=True), self.argmax[idx], mask)
+        return self.tokens[idx], aux[idx], final[idx], self.argmax[idx], mask
 
 
 ARGMAX_CHUNK = 8192     # positions whose full-vocabulary logits exist at once
 
 
 @torch.no_grad()
+def feature_bytes(num_tokens: int, hidden: int, dtype=torch.bfloat16) -> int:
+    """Bytes of the stored features (aux 3H + final H a token) of `num_tokens` tokens."""
+    return (num_tokens + 1) * 4 * hidden * torch.empty(0, dtype=dtype).element_size()
+
+
+def features_device(where: str, dev: torch.device, nbytes: int,
+                    fraction: float = 0.6) -> torch.device:
+    """Where the features live: `device` (dev), `cpu` (host memory, pinned when dev is a GPU;
+    each batch is gathered there and copied), or `auto`: dev while they take at most
+    `fraction` of its free memory (the training batches need the rest), else the host."""
+    if where not in ("auto", "device", "cpu"):
+        raise ValueError(f"features on {where!r}: expected auto, device or cpu")
+    if where == "device" or dev.type != "cuda":
+        return dev
+    if where == "cpu":
+        return torch.device("cpu")
+    free, _ = torch.cuda.mem_get_info(dev)
+    return dev if nbytes <= fraction * free else torch.device("cpu")
+
+
+@torch.no_grad()
 def extract_eagle3_features(model, seqs: list[dict], aux_layers: tuple[int, ...], *,
-                            max_batch_tokens: int = 65536, dtype=torch.bfloat16) -> Eagle3Data:
+                            max_batch_tokens: int = 65536, dtype=torch.bfloat16,
+                            store: torch.device | None = None) -> Eagle3Data:
     """`model`: the Hugging Face target (training/data.py `load_target`); `aux_layers`: layer
-    output ids (Eagle3DraftModel.aux_layers). Features stored in `dtype` on the model's device."""
+    output ids (Eagle3DraftModel.aux_layers). Features stored in `dtype` on `store` (default the
+    model's device; the host's memory, pinned, when the device cannot hold them beside the
+    training: `features_device`)."""
     dev = next(model.parameters()).device
+    store = dev if store is None else torch.device(store)
     H = model.config.hidden_size
     L = model.config.num_hidden_layers
     if not all(0 <= i < L - 1 for i in aux_layers):
@@ -58,8 +88,9 @@ def extract_eagle3_features(model, seqs: list[dict], aux_layers: tuple[int, ...]
     offsets = flat_offsets(seqs)
     N = offsets[-1]
     tokens = torch.zeros(N + 1, dtype=torch.long, device=dev)
-    aux = torch.zeros(N + 1, 3 * H, dtype=dtype, device=dev)
-    final = torch.zeros(N + 1, H, dtype=dtype, device=dev)
+    pin = store.type == "cpu" and dev.type == "cuda"
+    aux = torch.zeros(N + 1, 3 * H, dtype=dtype, device=store, pin_memory=pin)
+    final = torch.zeros(N + 1, H, dtype=dtype, device=store, pin_memory=pin)
     argmax = torch.zeros(N + 1, dtype=torch.long, device=dev)
     for which, ids, mask in padded_groups(seqs, max_batch_tokens, dev):
         out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)

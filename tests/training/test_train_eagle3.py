@@ -283,3 +283,37 @@ def test_train_init_from_a_published_head(setup, tmp_path):
     safetensors.torch.save_file(sd, str(tmp_path / "e" / "model.safetensors"))
     with pytest.raises(SystemExit, match="fc.weight"):
         train(tmp_path / "f", "--init-from", str(tmp_path / "e"))
+
+
+def test_features_stay_on_the_device_while_they_fit(monkeypatch):
+    """`auto`: on the GPU while the features take at most 60% of its free memory, else in
+    host memory; `device` and `cpu` as asked; a CPU run keeps them where it trains."""
+    from eaglekv.training.eagle3_data import feature_bytes, features_device
+    assert feature_bytes(9, 576) == 10 * 4 * 576 * 2
+    assert feature_bytes(9, 576, torch.float32) == 10 * 4 * 576 * 4
+    gib, cuda, cpu = 1 << 30, torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (70 * gib, 80 * gib))
+    assert features_device("auto", cuda, 42 * gib) == cuda
+    assert features_device("auto", cuda, 43 * gib) == cpu          # 43 GB > 0.6 * 70
+    assert features_device("device", cuda, 100 * gib) == cuda
+    assert features_device("cpu", cuda, 1) == cpu
+    assert features_device("auto", cpu, 100 * gib) == cpu
+    with pytest.raises(ValueError, match="features on 'disk': expected auto, device or cpu"):
+        features_device("disk", cuda, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_features_in_host_memory_give_the_same_batches(setup):
+    """Features kept in pinned host memory (a store too large for the device) give the same
+    batches on the device as features kept there."""
+    path, model, cfg, data = setup
+    gm = model.to("cuda")
+    on_dev = extract_eagle3_features(gm, data.seqs, AUX, max_batch_tokens=512,
+                                     dtype=torch.float32)
+    on_host = extract_eagle3_features(gm, data.seqs, AUX, max_batch_tokens=512,
+                                      dtype=torch.float32, store="cpu")
+    model.to("cpu")
+    assert on_host.aux.device.type == "cpu" and on_host.aux.is_pinned()
+    for a, b in zip(on_dev.batch3([0, 5, 7]), on_host.batch3([0, 5, 7])):
+        assert a.device == b.device and torch.equal(a, b)
