@@ -193,9 +193,9 @@ GEMV_MAX_ROWS = 4            # decode-sized batches; from 8 rows on cuBLAS's til
 # 32 / 256 / 4) the tile runs SmolLM2's matmuls at 6 rows in 6.1 / 5.7 / 7.8 / 10.2 us (qkv with
 # the norm, o, gate_up with norm and SiLU, down) where cuBLAS with its glue kernels takes 5.4 /
 # 3.6 / 7.6 / 5.0: its 16-column blocks give o and down 36 programs for 132 SMs. In the engine
-# (gpu_bench_h100_20261206_gemv_dot.json, one process) S5 at batch 1 ran 0.96x the shipped
-# engine (1.01x with the extend attention under PDL too, `_dot_xpdl`), plain at 4 and 16
-# rows 0.97x / 0.95x, the S4/K2/N8 tree 0.95x.
+# (gpu_bench_h100_20261206_gemv_dot.json, one process, end to end) S5 at batch 1 ran 0.97x
+# the shipped engine (1.02x with the extend attention under PDL too, `_dot_xpdl`), plain at 4
+# and 16 rows 0.94x / 0.94x, the S4/K2/N8 tree at batch 1 0.95x.
 GEMV_DOT_MAX_ROWS = 0 if os.environ.get("EAGLEKV_GEMV_DOT", "0") == "0" else 16
 # On by default on CUDA since 2026-12-05 for the matmuls it carries glue with: at the tiling of
 # `fused_triton.GEMV_CONFIG` the kernel with the add + RMSNorm prologue runs SmolLM2's qkv in
