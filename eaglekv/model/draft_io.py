@@ -27,18 +27,28 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)   # buffers some exports carry; neve
 
 
 # ---- reading -------------------------------------------------------------------------------------
-def read_draft_dir(path: str | os.PathLike, what: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A draft checkpoint directory: (config.json as a dict, the state dict with normalised
-    names); a missing or unreadable path, config or weight file raises ModelLoadError."""
+def check_draft_dir(path: str | os.PathLike, what: str) -> Path:
+    """The checks of `read_draft_dir` that need no weights read: the directory, its
+    config.json and its weight files exist (ModelLoadError naming what is missing) -> the
+    path. For a tool that loads several drafts one after another (eval-draft --also-draft), so
+    that a bad last one fails before the first one's runs, not after."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"{what} path {path} does not exist")
     if not path.is_dir():
         raise ModelLoadError(f"{what} path {path} is not a directory "
                              f"(expected config.json + pytorch_model.bin or *.safetensors)")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
+    if not (path / "config.json").is_file():
         raise ModelLoadError(f"{what} directory {path} holds no config.json")
+    weight_files(path)
+    return path
+
+
+def read_draft_dir(path: str | os.PathLike, what: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A draft checkpoint directory: (config.json as a dict, the state dict with normalised
+    names); a missing or unreadable path, config or weight file raises ModelLoadError."""
+    path = check_draft_dir(path, what)
+    cfg_file = path / "config.json"
     try:
         d = json.loads(cfg_file.read_text())
     except (OSError, json.JSONDecodeError) as e:

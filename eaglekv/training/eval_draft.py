@@ -186,6 +186,20 @@ def parse_also(items: list[str] | None, algorithm: str) -> list[tuple[str, str]]
     return out
 
 
+def check_drafts(drafts: list[tuple[str, str]]) -> None:
+    """Every (algorithm, draft) to be measured has a checkpoint directory with a config and
+    weights ("default": the shipped head of that algorithm; "random": none needed), checked
+    before the first model loads: a bad --also-draft fails at once, not after the runs
+    before it (whose figures a failure at the end would lose)."""
+    from eaglekv.config import SpecConfig
+    from eaglekv.model.draft_io import check_draft_dir
+    from eaglekv.speculative.factory import draft_path
+    for alg, draft in drafts:
+        if draft not in (None, "random"):
+            check_draft_dir(draft_path(SpecConfig(algorithm=alg, draft_model=draft)),
+                            f"{alg} draft")
+
+
 def evaluate(base: EngineConfig, algorithm: str, draft: str, prompts: list[dict],
              shapes: list[tuple[int, int, int]], temperatures: list[float],
              max_new_tokens: int = 128, seed: int = 0,
@@ -268,6 +282,7 @@ def main(args, base: EngineConfig) -> dict:
     shapes, temps = parse_shapes(args.shapes), parse_temperatures(args.temperatures)
     prompts = load_prompts(args.prompts, args.max_prompts)   # all checked before a model loads
     also = parse_also(getattr(args, "also_draft", None), args.spec)
+    check_drafts([(args.spec, args.draft)] + also)
     result = evaluate(base, args.spec, args.draft, prompts, shapes, temps,
                       args.max_new_tokens, args.seed, also=also)
     result = {"command": args.command_line, "prompts_file": args.prompts, **result}

@@ -13,7 +13,7 @@ import pytest
 from eaglekv import Engine, EngineConfig, SamplingParams
 from eaglekv.cli import main as cli_main
 from eaglekv.core import SpecStats
-from eaglekv.errors import ConfigError
+from eaglekv.errors import ConfigError, ModelLoadError
 from eaglekv.speculative.drafter import ScriptedDrafter
 from eaglekv.training import eval_draft
 from helpers import PROMPTS, expected_accepts, oracle
@@ -180,3 +180,28 @@ def test_also_draft_runs_in_the_same_process(tiny_dir, tmp_path, capsys):
         ("eagle", "/some/dir"), ("eagle3", "default")]
     with pytest.raises(ConfigError, match="--also-draft"):
         eval_draft.parse_also(["eagle3:"], "eagle")
+
+
+def test_a_bad_also_draft_fails_before_any_run(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A draft directory without weights (or without config.json, or missing) given with
+    --also-draft fails before the first engine is built, naming the path; the shipped heads
+    and "random" pass the check."""
+    prompts, out = tmp_path / "prompts.json", tmp_path / "eval.json"
+    prompts.write_text(json.dumps(PROMPTS_KINDS))
+    empty = tmp_path / "head3"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    built = []
+    monkeypatch.setattr(eval_draft, "evaluate", lambda *a, **k: built.append(a))
+    argv = ["eval-draft", "--model", str(tiny_dir), "--draft", "random", "--prompts",
+            str(prompts), "--max-prompts", "2", "--max-new-tokens", "5", "--shapes", "S2K1N3",
+            "--temperatures", "0", "--out", str(out), "--also-draft", f"eagle3:{empty}"]
+    assert cli_main(argv) != 0
+    assert f"no weights in {empty}" in capsys.readouterr().err
+    assert built == [] and not out.exists()
+    with pytest.raises(ModelLoadError, match="holds no config.json"):
+        (empty / "config.json").unlink()
+        eval_draft.check_drafts([("eagle3", str(empty))])
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        eval_draft.check_drafts([("eagle", str(tmp_path / "nowhere"))])
+    eval_draft.check_drafts([("eagle", "default"), ("eagle3", "default"), ("eagle", "random")])
