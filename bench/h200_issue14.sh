@@ -20,6 +20,14 @@
 # that trains, carrying the shipped head (28 MB, .carry/slimmed/eaglekv/drafts/...-eagle3 with
 # its config.json copied beside it) for INIT_FROM; short calls keep the machine warm, a long one
 # may not. `bench/gpu_tree.sh restore` after.
+# Two stores (2026-12-06, the v5 head; both kept: bench/data/selfgen_smollm2_v2 and _v3, each
+# ~9.5 MB, slimmed with the rest): call 1 carries part a + _v2 (`cp -r
+# .carry/slimmed/bench/data/selfgen_smollm2_v2 /root/sg`), call 2 part b + .carry/pylib + a copy
+# of _v3 as .carry/sg2 (`bench/h200_issue14.sh` alone assembles the model; then `cp -r
+# .carry/sg2 /root/sg2`), call 3 the shipped head + .carry/pylib: `INIT_FROM=... DATA_DIR=
+# /root/sg,/root/sg2 MAX_TOKENS=24576 bench/h200_issue14.sh train` with
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. The features of both (9.4M tokens) are 43 GB
+# on the GPU; a third store goes to pinned host memory by itself (`--features-on auto`).
 set -uo pipefail
 export PYTHONPATH=.:.carry/pylib
 M=${MODEL:-/root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}

@@ -172,23 +172,20 @@ MODES = {"plain": None,
          "eagle_chain_S5K1N6_nogrope": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "eagle_chain_S5K1N6_gemv8_gt1k_xpdl_grope_pg": dict(num_steps=5, topk=1,
                                                              num_draft_tokens=6),
-         "adaptive_grope_pg": dict(adaptive=True),
-         # the gemv kernel's tensor-core tile for 5-16 rows (fused.GEMV_DOT_MAX_ROWS 16): S5's
-         # 6-token verify at batch 1 and a tree's 8 or 16 then run Triton to Triton (qkv with
-         # norm + RoPE + store, o, gate_up with norm + SiLU*mul, down), as the decode does;
-         # decode batches of 5-16 too. `_nodot`: cuBLAS and the glue kernels for them
-         "plain_dot": None,
-         "plain_nodot": None,
-         "eagle_chain_S5K1N6_dot": dict(num_steps=5, topk=1, num_draft_tokens=6),
-         "eagle_chain_S5K1N6_nodot": dict(num_steps=5, topk=1, num_draft_tokens=6),
-         "eagle_chain_S5K1N6_dot_xpdl": dict(num_steps=5, topk=1, num_draft_tokens=6),
-         "eagle_tree_S4K2N8_dot": dict(num_steps=4, topk=2, num_draft_tokens=8),
-         "eagle3_chain_S5K1N6_dot": dict(algorithm="eagle3", num_steps=5, topk=1,
-                                         num_draft_tokens=6),
-         "eagle3_tree_S6K4N16_dot": dict(algorithm="eagle3", num_steps=6, topk=4,
-                                         num_draft_tokens=16),
-         "adaptive_dot": dict(adaptive=True),
-         "adaptive_nodot": dict(adaptive=True)}
+         "adaptive_grope_pg": dict(adaptive=True)}
+# the gemv kernel's tensor-core tile for 5-16 rows (fused.GEMV_DOT_MAX_ROWS 16): S5's 6-token
+# verify at batch 1 and a tree's 8 or 16 then run Triton to Triton (qkv with norm + RoPE +
+# store, o, gate_up with norm + SiLU*mul, down), as the decode does; decode batches of 5-16
+# too. `_nodot`: cuBLAS and the glue kernels for them; `_dot_xpdl`: the extend attention under
+# PDL as well
+MODES.update({f"{m}_{v}": MODES[m]
+              for m, variants in (("plain", ("dot", "nodot")),
+                                  ("eagle_chain_S5K1N6", ("dot", "nodot", "dot_xpdl")),
+                                  ("eagle_tree_S4K2N8", ("dot",)),
+                                  ("eagle3_chain_S5K1N6", ("dot",)),
+                                  ("eagle3_tree_S6K4N16", ("dot",)),
+                                  ("adaptive", ("dot", "nodot")))
+              for v in variants})
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)

@@ -27,7 +27,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)   # buffers some exports carry; neve
 
 
 # ---- reading -------------------------------------------------------------------------------------
-def check_draft_dir(path: str | os.PathLike, what: str) -> Path:
+def check_draft_dir(path: str | os.PathLike, what: str, weights: bool = True) -> Path:
     """The checks of `read_draft_dir` that need no weights read: the directory, its
     config.json and its weight files exist (ModelLoadError naming what is missing) -> the
     path. For a tool that loads several drafts one after another (eval-draft --also-draft), so
@@ -40,14 +40,15 @@ def check_draft_dir(path: str | os.PathLike, what: str) -> Path:
                              f"(expected config.json + pytorch_model.bin or *.safetensors)")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{what} directory {path} holds no config.json")
-    weight_files(path)
+    if weights:
+        weight_files(path)
     return path
 
 
 def read_draft_dir(path: str | os.PathLike, what: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """A draft checkpoint directory: (config.json as a dict, the state dict with normalised
     names); a missing or unreadable path, config or weight file raises ModelLoadError."""
-    path = check_draft_dir(path, what)
+    path = check_draft_dir(path, what, weights=False)     # the config read first, then these
     cfg_file = path / "config.json"
     try:
         d = json.loads(cfg_file.read_text())
