@@ -34,6 +34,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from eaglekv.config import DEFAULT_SCHEDULER_STEPS, EngineConfig, SamplingParams, SpecConfig
+from eaglekv.errors import ConfigError
 from eaglekv.engine import Engine
 
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -46,6 +47,14 @@ MODES = {"plain": None,
          "eagle_tree_S4K2N8": dict(num_steps=4, topk=2, num_draft_tokens=8),
          "eagle3_chain_S5K1N6": dict(algorithm="eagle3", num_steps=5, topk=1,
                                      num_draft_tokens=6),
+         "eagle3_chain_S3K1N4": dict(algorithm="eagle3", num_steps=3, topk=1,
+                                     num_draft_tokens=4),
+         # longer chains for the fifth EAGLE-3 head (held-out rates .27 at the fifth draft
+         # position on the CPU, higher on the bench prompts)
+         "eagle3_chain_S6K1N7": dict(algorithm="eagle3", num_steps=6, topk=1,
+                                     num_draft_tokens=7),
+         "eagle3_chain_S7K1N8": dict(algorithm="eagle3", num_steps=7, topk=1,
+                                     num_draft_tokens=8),
          "eagle3_tree_S4K2N8": dict(algorithm="eagle3", num_steps=4, topk=2,
                                     num_draft_tokens=8),
          # the wider trees: held-out accept 4.01 / 4.34 with the shipped EAGLE-3 head (CPU fp32)
@@ -59,6 +68,10 @@ MODES = {"plain": None,
          # H200 (2026-12-05), which the device's default candidates do not have
          "adaptive_eagle3_trees": dict(algorithm="eagle3", adaptive=True,
                                        shapes=((3, 1, 4), (5, 1, 6), (4, 2, 8), (6, 4, 16))),
+         # the CPU's candidates and the 7-step chain: the fifth EAGLE-3 head's S7 ran 2.55x
+         # plain against S5's 2.33x on the bench prompts on the CPU (2026-12-06)
+         "adaptive_eagle3_s7": dict(algorithm="eagle3", adaptive=True,
+                                    shapes=((1, 1, 2), (3, 1, 4), (5, 1, 6), (7, 1, 8))),
          # a randomly initialised EAGLE head (acceptance ~0): what speculation costs where
          # its drafts always fail, fixed and adaptive (issue 15: it must not lose to plain)
          "eagle_chain_S1K1N2_random_draft": dict(num_steps=1, topk=1, num_draft_tokens=2,
@@ -207,7 +220,7 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "nocap": ("eaglekv.speculative.adaptive", "EXPLORE_CAP", float("inf")),
                    "dot": ("eaglekv.kernels.fused", "GEMV_DOT_MAX_ROWS", 16),
                    "nodot": ("eaglekv.kernels.fused", "GEMV_DOT_MAX_ROWS", 0)}
-ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees",
+ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees", "adaptive_eagle3_s7",
                   "adaptive_random_draft")
 
 
@@ -1145,6 +1158,9 @@ def chained_vs_1step(result: dict) -> None:
 def main(args) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     modes = [m for m in args.modes.split(",")]
+    unknown = [m for m in modes if split_mode(m)[0] not in MODES]
+    if unknown:
+        raise ConfigError(f"bench: unknown mode(s) {unknown}; known: {', '.join(MODES)}")
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda")
               else "cpu", "torch": torch.__version__,

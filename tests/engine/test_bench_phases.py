@@ -519,3 +519,14 @@ def test_chain_length_modes():
                         "plain_k64": {"rows": {1: {"tokens_per_s": 110.0}}}}}
     gpu.chained_vs_1step(result)
     assert result["chain64_vs_default"]["plain"][1]["tokens_per_s"] == pytest.approx(1.1)
+
+
+def test_an_unknown_mode_is_refused_before_anything_loads():
+    """`eaglekv bench --table --modes plain,nope`: a ConfigError naming the mode (and the
+    known ones), not a KeyError after the first engines were built."""
+    from eaglekv.bench import gpu
+    from eaglekv.errors import ConfigError
+    args = SimpleNamespace(batches="1", modes="plain,eagle3_chain_S4K1N5@onednn,nope")
+    with pytest.raises(ConfigError, match=r"unknown mode\(s\) \['eagle3_chain_S4K1N5@onednn', "
+                                          r"'nope'\]; known: plain, "):
+        gpu.main(args)
