@@ -72,6 +72,12 @@ MODES = {"plain": None,
          # plain against S5's 2.33x on the bench prompts on the CPU (2026-12-06)
          "adaptive_eagle3_s7": dict(algorithm="eagle3", adaptive=True,
                                     shapes=((1, 1, 2), (3, 1, 4), (5, 1, 6), (7, 1, 8))),
+         # the CPU's candidates before the 7-step chain joined them (2026-12-06): S1, S3, S5
+         "adaptive_cpu3": dict(adaptive=True, shapes=((1, 1, 2), (3, 1, 4), (5, 1, 6))),
+         "adaptive_eagle3_cpu3": dict(algorithm="eagle3", adaptive=True,
+                                      shapes=((1, 1, 2), (3, 1, 4), (5, 1, 6))),
+         "adaptive_cpu3_random_draft": dict(adaptive=True, draft_model="random",
+                                            shapes=((1, 1, 2), (3, 1, 4), (5, 1, 6))),
          # a randomly initialised EAGLE head (acceptance ~0): what speculation costs where
          # its drafts always fail, fixed and adaptive (issue 15: it must not lose to plain)
          "eagle_chain_S1K1N2_random_draft": dict(num_steps=1, topk=1, num_draft_tokens=2,
@@ -221,7 +227,8 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "dot": ("eaglekv.kernels.fused", "GEMV_DOT_MAX_ROWS", 16),
                    "nodot": ("eaglekv.kernels.fused", "GEMV_DOT_MAX_ROWS", 0)}
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees", "adaptive_eagle3_s7",
-                  "adaptive_random_draft")
+                  "adaptive_random_draft", "adaptive_cpu3", "adaptive_eagle3_cpu3",
+                  "adaptive_cpu3_random_draft")
 
 
 def split_mode(mode: str) -> tuple[str, str | None]:
