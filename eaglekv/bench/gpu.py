@@ -45,16 +45,10 @@ MODES = {"plain": None,
          "eagle_chain_S3K1N4": dict(num_steps=3, topk=1, num_draft_tokens=4),
          "eagle_chain_S5K1N6": dict(num_steps=5, topk=1, num_draft_tokens=6),
          "eagle_tree_S4K2N8": dict(num_steps=4, topk=2, num_draft_tokens=8),
-         "eagle3_chain_S5K1N6": dict(algorithm="eagle3", num_steps=5, topk=1,
-                                     num_draft_tokens=6),
-         "eagle3_chain_S3K1N4": dict(algorithm="eagle3", num_steps=3, topk=1,
-                                     num_draft_tokens=4),
-         # longer chains for the fifth EAGLE-3 head (held-out rates .27 at the fifth draft
+         # EAGLE-3 chains; S6 and S7 for the fifth head (held-out rate .27 at the fifth draft
          # position on the CPU, higher on the bench prompts)
-         "eagle3_chain_S6K1N7": dict(algorithm="eagle3", num_steps=6, topk=1,
-                                     num_draft_tokens=7),
-         "eagle3_chain_S7K1N8": dict(algorithm="eagle3", num_steps=7, topk=1,
-                                     num_draft_tokens=8),
+         **{f"eagle3_chain_S{S}K1N{S + 1}": dict(algorithm="eagle3", num_steps=S, topk=1,
+                                                num_draft_tokens=S + 1) for S in (5, 3, 6, 7)},
          "eagle3_tree_S4K2N8": dict(algorithm="eagle3", num_steps=4, topk=2,
                                     num_draft_tokens=8),
          # the wider trees: held-out accept 4.01 / 4.34 with the shipped EAGLE-3 head (CPU fp32)
