@@ -27,7 +27,7 @@
 # .carry/sg2 /root/sg2`), call 3 the shipped head + .carry/pylib: `INIT_FROM=... DATA_DIR=
 # /root/sg,/root/sg2 MAX_TOKENS=24576 bench/h200_issue14.sh train` with
 # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. The features of both (9.4M tokens) are 43 GB
-# on the GPU; a third store goes to pinned host memory by itself (`--features-on auto`).
+# on the GPU; a third store goes to host memory by itself (`--features-on auto`).
 set -uo pipefail
 export PYTHONPATH=.:.carry/pylib
 M=${MODEL:-/root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}

@@ -218,7 +218,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(e.g. the shipped one: weights and draft vocabulary; a fresh optimizer)")
     e.add_argument("--features-on", choices=("auto", "device", "cpu"), default="auto",
                    help="where the target's features live: on the training device, in host "
-                        "memory (pinned; each batch gathered there and copied), or auto: the "
+                        "memory (each batch gathered there and copied), or auto: the "
                         "device while they take at most 60%% of its free memory (bf16, 4H a "
                         "token: 9.4M SmolLM2 tokens are 43 GB)")
 

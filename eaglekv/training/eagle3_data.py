@@ -56,8 +56,9 @@ def feature_bytes(num_tokens: int, hidden: int, dtype=torch.bfloat16) -> int:
 
 def features_device(where: str, dev: torch.device, nbytes: int,
                     fraction: float = 0.6) -> torch.device:
-    """Where the features live: `device` (dev), `cpu` (host memory, pinned when dev is a GPU;
-    each batch is gathered there and copied), or `auto`: dev while they take at most
+    """Where the features live: `device` (dev), `cpu` (host memory, each batch gathered there
+    and copied; not pinned: the caching host allocator rounds a pinned block up to a power of
+    two, 64 GiB for a 47 GB store, and a gathered batch is a new pageable tensor anyway), or `auto`: dev while they take at most
     `fraction` of its free memory (the training batches need the rest), else the host."""
     if where not in ("auto", "device", "cpu"):
         raise ValueError(f"features on {where!r}: expected auto, device or cpu")
@@ -75,7 +76,7 @@ def extract_eagle3_features(model, seqs: list[dict], aux_layers: tuple[int, ...]
                             store: torch.device | None = None) -> Eagle3Data:
     """`model`: the Hugging Face target (training/data.py `load_target`); `aux_layers`: layer
     output ids (Eagle3DraftModel.aux_layers). Features stored in `dtype` on `store` (default the
-    model's device; the host's memory, pinned, when the device cannot hold them beside the
+    model's device; the host's memory when the device cannot hold them beside the
     training: `features_device`)."""
     dev = next(model.parameters()).device
     store = dev if store is None else torch.device(store)
@@ -88,9 +89,8 @@ def extract_eagle3_features(model, seqs: list[dict], aux_layers: tuple[int, ...]
     offsets = flat_offsets(seqs)
     N = offsets[-1]
     tokens = torch.zeros(N + 1, dtype=torch.long, device=dev)
-    pin = store.type == "cpu" and dev.type == "cuda"
-    aux = torch.zeros(N + 1, 3 * H, dtype=dtype, device=store, pin_memory=pin)
-    final = torch.zeros(N + 1, H, dtype=dtype, device=store, pin_memory=pin)
+    aux = torch.zeros(N + 1, 3 * H, dtype=dtype, device=store)
+    final = torch.zeros(N + 1, H, dtype=dtype, device=store)
     argmax = torch.zeros(N + 1, dtype=torch.long, device=dev)
     for which, ids, mask in padded_groups(seqs, max_batch_tokens, dev):
         out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
@@ -101,10 +101,11 @@ def extract_eagle3_features(model, seqs: list[dict], aux_layers: tuple[int, ...]
         flat = f.reshape(-1, H)
         top = torch.cat([(flat[i:i + ARGMAX_CHUNK] @ lm_head.t()).argmax(-1)
                          for i in range(0, flat.shape[0], ARGMAX_CHUNK)]).view(f.shape[:2])
+        a, f = a.to(store, dtype), f.to(store, dtype)    # one copy a group to a host store
         for b, i in enumerate(which):
             sl, n = slice(offsets[i], offsets[i + 1]), offsets[i + 1] - offsets[i]
             tokens[sl] = ids[b, :n]
-            aux[sl] = a[b, :n].to(dtype)
-            final[sl] = f[b, :n].to(dtype)
+            aux[sl] = a[b, :n]
+            final[sl] = f[b, :n]
             argmax[sl] = top[b, :n]
     return Eagle3Data(seqs, tokens, aux, final, argmax, offsets[:-1])
