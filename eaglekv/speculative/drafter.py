@@ -142,7 +142,7 @@ class Eagle3Drafter(EagleDrafter):
     def __init__(self, model, size, page_size, req_to_token, dtype, device, num_target_layers,
                  backend_cls=TorchAttentionBackend):
         super().__init__(model, size, page_size, req_to_token, dtype, device, backend_cls)
-        self.capture_layers = tuple(model.aux_layers(num_target_layers))
+        self.capture_layers = tuple(model.capture_layers)   # the config's layers, else the default
 
     def features(self, out) -> torch.Tensor:
         return torch.cat(out.aux_hidden, -1)                              # (T, 3H)

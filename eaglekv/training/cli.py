@@ -212,6 +212,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "stores, e.g. two gen-data runs with different seeds)")
     e.add_argument("--draft-vocab", type=int, default=16384, help="draft vocabulary size")
     e.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll")
+    e.add_argument("--intermediate-size", type=int, default=None,
+                   help="the head's MLP width (default: the --init-from head's, else the "
+                        "target's); a narrower --init-from head is widened without changing "
+                        "what it computes (new units start with zero output)")
+    e.add_argument("--aux-layers", default=None,
+                   help="the three target layer outputs the head reads, e.g. 1,14,28 "
+                        "(default: the --init-from head's, else EAGLE-3's (1, L/2-1, L-4)); "
+                        "written to config.json as eagle_config.eagle_aux_hidden_state_layer_ids")
     e.add_argument("--ckpt", default=None, help="trainer state, saved every 2 min and at the end")
     e.add_argument("--resume", action="store_true", help="continue from --ckpt")
     e.add_argument("--init-from", default=None, help="start from a published EAGLE-3 head "

@@ -28,14 +28,48 @@ def response_tokens(seqs: list[dict], which: list[int]) -> torch.Tensor:
                         dtype=torch.int64)
 
 
-def read_init_head(path) -> dict[str, torch.Tensor]:
-    """The state dict of a published EAGLE-3 head (`--init-from`), e.g. the shipped one."""
+def read_init_head(path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, state dict) of a published EAGLE-3 head (`--init-from`), e.g. the
+    shipped one."""
     from eaglekv.model.draft_io import read_draft_dir
-    _, sd = read_draft_dir(path, "--init-from EAGLE-3 head")
+    cfg_dict, sd = read_draft_dir(path, "--init-from EAGLE-3 head")
     missing = [k for k in ("d2t", "t2d", "lm_head.weight") if k not in sd]
     if missing:
         raise SystemExit(f"--init-from {path}: not an EAGLE-3 head (no {', '.join(missing)})")
-    return sd
+    return cfg_dict, sd
+
+
+def head_shape(args, cfg, init_cfg: dict | None) -> tuple[tuple[int, ...] | None, int]:
+    """(captured target layers, MLP width) of the head to train: as asked (`--aux-layers`,
+    `--intermediate-size`), else the --init-from head's, else EAGLE-3's default layers and
+    the target's width. None for the layers: the default (not written to the config)."""
+    from eaglekv.errors import ModelLoadError
+    from eaglekv.model.eagle3 import Eagle3DraftModel
+    from eaglekv.model.eagle3_checkpoint import configured_aux_layers
+    aux = getattr(args, "aux_layers", None)
+    if aux is not None:
+        try:
+            aux = tuple(int(x) for x in str(aux).split(","))
+        except ValueError:
+            raise SystemExit(f"--aux-layers {args.aux_layers!r}: expected three layer ids, "
+                             f"e.g. 1,14,28") from None
+    elif init_cfg is not None:
+        aux = configured_aux_layers(init_cfg)
+    L = cfg.num_layers
+    try:
+        ids = Eagle3DraftModel.aux_layers(L, aux)
+    except ModelLoadError as e:     # three distinct ids in range
+        raise SystemExit(f"--aux-layers: {e}") from None
+    if max(ids) >= L - 1:
+        raise SystemExit(f"--aux-layers {list(ids)}: layer {L - 1} is the target's last; its "
+                         f"output is only seen after the final norm (at most {L - 2})")
+    width = getattr(args, "intermediate_size", None)
+    if width is None:
+        width = int(init_cfg["intermediate_size"]) if init_cfg else cfg.intermediate_size
+    if width < 1:
+        raise SystemExit(f"--intermediate-size {width}: must be >= 1")
+    default = Eagle3DraftModel.aux_layers(L)
+    return (None if ids == default else ids), width
 
 
 def load_published(head, sd: dict[str, torch.Tensor], path) -> None:
@@ -56,7 +90,8 @@ def cmd_train_eagle3(args, seqs: list[dict], command_line: str, out) -> dict:
     from eaglekv.training.data import load_target
     from eaglekv.training.eagle3_data import (extract_eagle3_features, feature_bytes,
                                               features_device)
-    from eaglekv.training.eagle3_head import eagle3_head_for_target
+    from eaglekv.model.eagle3_checkpoint import configured_aux_layers
+    from eaglekv.training.eagle3_head import eagle3_head_for_target, widen_mlp
     from eaglekv.training.eagle3_loop import Targets, evaluate_eagle3, train_eagle3
     from eaglekv.training.vocab import DraftVocab, choose_draft_vocab
     t_start = time.time()
@@ -69,7 +104,10 @@ def cmd_train_eagle3(args, seqs: list[dict], command_line: str, out) -> dict:
     torch.manual_seed(args.seed)
     # 1. target and its features
     model, cfg = load_target(args.model, dev, torch.float32)
-    aux_layers = Eagle3DraftModel.aux_layers(cfg.num_layers)
+    init_cfg, init = (read_init_head(args.init_from) if getattr(args, "init_from", None)
+                      else (None, None))
+    aux_override, width = head_shape(args, cfg, init_cfg)
+    aux_layers = Eagle3DraftModel.aux_layers(cfg.num_layers, aux_override)
     train_ids, eval_ids = split_ids(seqs, args.eval_every)
     t = time.time()
     torch.backends.cuda.matmul.allow_tf32 = True     # the fp32 target pass in TF32 on a GPU
@@ -94,7 +132,6 @@ def cmd_train_eagle3(args, seqs: list[dict], command_line: str, out) -> dict:
     out(f"features of {data.num_tokens} tokens in {log['feature_seconds']}s: {log['data']}")
     # 2. the draft vocabulary: the most frequent response tokens of the training sequences,
     # or, with --init-from, the published head's own (its lm_head rows are in that order)
-    init = read_init_head(args.init_from) if getattr(args, "init_from", None) else None
     if init is not None:
         vocab = DraftVocab.from_maps(init["d2t"], init["t2d"])
     else:
@@ -106,11 +143,22 @@ def cmd_train_eagle3(args, seqs: list[dict], command_line: str, out) -> dict:
                     "coverage_held_out": vocab.coverage(response_tokens(seqs, eval_ids))}
     out(f"draft vocabulary: {log['vocab']}")
     # 3. the head, its output side initialised from the target's
-    head, cfg_dict = eagle3_head_for_target(cfg, vocab, seed=args.seed)
+    head, cfg_dict = eagle3_head_for_target(cfg, vocab, aux_layer_ids=aux_override,
+                                            intermediate_size=width, seed=args.seed)
     head.init_from_target(lm_head, final_norm)
+    log["head_shape"] = {"aux_layers": list(aux_layers), "intermediate_size": width}
     if init is not None:     # every weight from the published head; a fresh optimizer
+        try:                 # a narrower published MLP is widened, computing the same function
+            init = widen_mlp(init, head.published_state_dict(torch.float32))
+        except ValueError as e:
+            raise SystemExit(f"--init-from {args.init_from}: {e}") from None
         load_published(head, init, args.init_from)
         log["init_from"] = str(args.init_from)
+        init_aux = Eagle3DraftModel.aux_layers(cfg.num_layers, configured_aux_layers(init_cfg))
+        if init_aux != aux_layers:
+            log["init_from_aux_layers"] = list(init_aux)
+            out(f"--init-from {args.init_from} read layers {log['init_from_aux_layers']}; "
+                f"this head reads {list(aux_layers)} (its fc learns them from there)")
     head.to(dev)
     tg = Targets(embed, lm_head, vocab.target_ids)
     log["head_params"] = sum(p.numel() for p in head.parameters())

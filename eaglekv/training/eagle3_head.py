@@ -110,11 +110,14 @@ class Eagle3Head(nn.Module):
 
 
 def eagle3_head_for_target(cfg, vocab: DraftVocab, aux_layer_ids: tuple[int, ...] | None = None,
+                           intermediate_size: int | None = None,
                            **kw) -> tuple[Eagle3Head, dict]:
-    """A fresh head shaped like the target's layers over `vocab`, and its config.json in the
-    published layout (`draft_vocab_size`, and the captured layers when not the default)."""
+    """A fresh head shaped like the target's layers over `vocab` (its MLP `intermediate_size`
+    wide, default the target's), and its config.json in the published layout
+    (`draft_vocab_size`, and the captured layers when not the default)."""
     from eaglekv.model.draft_io import random_llama_dict
-    cfg_dict = {**random_llama_dict(cfg, "LlamaForCausalLMEagle3"),
+    cfg_dict = {**random_llama_dict(cfg, "LlamaForCausalLMEagle3",
+                                    intermediate_size=intermediate_size),
                 "draft_vocab_size": vocab.size, "bias": False, "attention_bias": False,
                 "torch_dtype": "bfloat16"}
     if cfg_dict.get("rope_scaling"):
@@ -123,5 +126,31 @@ def eagle3_head_for_target(cfg, vocab: DraftVocab, aux_layer_ids: tuple[int, ...
     if aux_layer_ids is not None:
         cfg_dict["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
     head = Eagle3Head(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                      cfg.intermediate_size, cfg.rms_norm_eps, cfg_dict["rope_theta"], vocab, **kw)
+                      cfg_dict["intermediate_size"], cfg.rms_norm_eps, cfg_dict["rope_theta"],
+                      vocab, **kw)
     return head, cfg_dict
+
+
+MLP_ROWS = ("midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight")   # (I, H)
+MLP_COLS = "midlayer.mlp.down_proj.weight"                                      # (H, I)
+
+
+def widen_mlp(sd: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor]
+              ) -> dict[str, torch.Tensor]:
+    """A published head's tensors with its MLP widened to `fresh`'s width, computing the same
+    function: its gate/up rows first, then `fresh`'s (random) rows; down_proj's new columns
+    zero, so the new units add nothing until training moves them (Net2Net's wider layer
+    with a zero output). A head already that wide comes back unchanged; a wider one is an
+    error (narrowing would change what it computes)."""
+    I0, I = sd[MLP_COLS].shape[1], fresh[MLP_COLS].shape[1]
+    if I0 == I:
+        return sd
+    if I0 > I:
+        raise ValueError(f"the published head's MLP is {I0} wide, more than the {I} asked; "
+                         f"narrowing it would change what it computes")
+    out = dict(sd)
+    for n in MLP_ROWS:
+        out[n] = torch.cat([sd[n], fresh[n][I0:].to(sd[n].dtype)])
+    down = sd[MLP_COLS]
+    out[MLP_COLS] = torch.cat([down, down.new_zeros(down.shape[0], I - I0)], 1)
+    return out

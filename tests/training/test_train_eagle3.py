@@ -285,6 +285,86 @@ def test_train_init_from_a_published_head(setup, tmp_path):
         train(tmp_path / "f", "--init-from", str(tmp_path / "e"))
 
 
+def test_train_a_wider_head_or_one_reading_other_layers(setup, tmp_path):
+    """`--intermediate-size` widens the --init-from head's MLP without changing what it computes
+    (its rows and columns first, the new down columns zero: the TTT loss is the same), and the
+    wider head loads in the engine and stays lossless; `--aux-layers` trains a head on other
+    target layers, written to its config, which the engine then captures. Bad values are
+    refused by name."""
+    import json
+    from eaglekv.config import SamplingParams, SpecConfig
+    from eaglekv.model.draft_io import read_draft_dir
+    from eaglekv.training.cli import main
+    from eaglekv.training.eagle3_head import Eagle3Head
+    from eaglekv.training.seqstore import save_gen_data
+    path, model, cfg, data = setup
+    seqs = [{**s, "kind": "chat", "held_out": i % 5 == 0} for i, s in enumerate(data.seqs)]
+    save_gen_data(tmp_path / "sg", seqs, {"command": "test"})
+
+    def train(out, *extra):
+        assert main(["train", "--algorithm", "eagle3", "--model", str(path), "--data-dir",
+                     str(tmp_path / "sg"), "--out", str(out), "--device", "cpu",
+                     "--max-steps", "3", "--max-tokens", "256", "--warmup", "1",
+                     "--ttt-steps", "2", "--draft-vocab", "64", "--log", str(out) + ".json",
+                     *extra]) == 0
+        return read_draft_dir(out, "head")
+
+    I = cfg.intermediate_size
+    _, a = train(tmp_path / "a")
+    wcfg, wide = train(tmp_path / "w", "--init-from", str(tmp_path / "a"), "--lr", "0",
+                       "--intermediate-size", str(2 * I))
+    assert wcfg["intermediate_size"] == 2 * I and wide[MLP + "down_proj.weight"].shape[1] == 2 * I
+    for n in ("gate_proj.weight", "up_proj.weight"):
+        assert torch.equal(wide[MLP + n][:I], a[MLP + n]) and wide[MLP + n][I:].abs().sum() > 0
+    assert torch.equal(wide[MLP + "down_proj.weight"][:, :I], a[MLP + "down_proj.weight"])
+    assert not wide[MLP + "down_proj.weight"][:, I:].any()
+
+    def loss(sd, width):
+        vocab = DraftVocab.from_maps(sd["d2t"], sd["t2d"])
+        head = Eagle3Head(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, width,
+                          cfg.rms_norm_eps, 100000.0, vocab)
+        head.load_state_dict({k: v.float() if v.is_floating_point() else v
+                              for k, v in sd.items()})
+        embed = model.get_input_embeddings().weight.detach()
+        tg = Targets(embed, model.get_output_embeddings().weight.detach(), head.target_ids)
+        with torch.no_grad():
+            return ttt_loss(head, embed, *tg.batch(data, [0, 7, 40]), steps=2)[1]
+
+    la, lw = loss(a, I), loss(wide, 2 * I)
+    assert lw["loss0"] == pytest.approx(la["loss0"], rel=1e-5)
+    assert lw["loss1"] == pytest.approx(la["loss1"], rel=1e-5)
+    # trained further, the wide head is the engine's and lossless
+    _, moved = train(tmp_path / "w2", "--init-from", str(tmp_path / "w"), "--lr", "3e-3")
+    assert moved[MLP + "down_proj.weight"][:, I:].any()        # the new units learn
+    prompts = [s["ids"][:s["n_prompt"]] for s in data.seqs[:3]]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    plain = [o.token_ids for o in tiny_engine(path).generate(prompts, params)]
+    for head_dir, layers in ((tmp_path / "w2", AUX), (tmp_path / "x", (1, 2, 6))):
+        if layers != AUX:
+            xcfg, _ = train(head_dir, "--aux-layers", "6,1,2")
+            assert xcfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 6]}
+            assert json.loads((tmp_path / "x.json").read_text())["data"]["aux_layers"] == [1, 2, 6]
+        eng = tiny_engine(path, speculative=SpecConfig(algorithm="eagle3", draft_model=str(head_dir),
+                                                       num_steps=3, topk=1, num_draft_tokens=4))
+        assert eng.worker.drafter.capture_layers == layers
+        assert [o.token_ids for o in eng.generate(prompts, params)] == plain
+        eng.check_memory()
+    # the wide head is the default for a run from it; narrowing and bad layers are refused
+    ccfg, _ = train(tmp_path / "c", "--init-from", str(tmp_path / "w"), "--max-steps", "1")
+    assert ccfg["intermediate_size"] == 2 * I
+    with pytest.raises(SystemExit, match=f"MLP is {2 * I} wide, more than the {I} asked"):
+        train(tmp_path / "n", "--init-from", str(tmp_path / "w"), "--intermediate-size", str(I))
+    with pytest.raises(SystemExit, match="layer 7 is the target's last"):
+        train(tmp_path / "b", "--aux-layers", "1,2,7")
+    with pytest.raises(SystemExit, match="must be 3 distinct layer ids in \\[0, 8\\)"):
+        train(tmp_path / "b", "--aux-layers", "1,2,2")
+    with pytest.raises(SystemExit, match="--aux-layers 'a,b': expected three layer ids"):
+        train(tmp_path / "b", "--aux-layers", "a,b")
+
+
+MLP = "midlayer.mlp."
+
+
 def test_features_stay_on_the_device_while_they_fit(monkeypatch):
     """`auto`: on the GPU while the features take at most 60% of its free memory, else in
     host memory; `device` and `cpu` as asked; a CPU run keeps them where it trains."""
