@@ -66,6 +66,13 @@ MODES = {"plain": None,
          # plain against S5's 2.33x on the bench prompts on the CPU (2026-12-06)
          "adaptive_eagle3_s7": dict(algorithm="eagle3", adaptive=True,
                                     shapes=((1, 1, 2), (3, 1, 4), (5, 1, 6), (7, 1, 8))),
+         # the device's candidates and the 7-step chain: the fifth EAGLE-3 head's fixed S7 ran
+         # 1.82x plain at batch 1 on an H100 where adaptive (S3, S5, S4K2N8) ran 1.60x
+         # (2026-12-06, gpu_bench_h100_20261206_v5_chains.json)
+         "adaptive_gpu_s7": dict(adaptive=True, shapes=((3, 1, 4), (5, 1, 6), (7, 1, 8),
+                                                        (4, 2, 8))),
+         "adaptive_eagle3_gpu_s7": dict(algorithm="eagle3", adaptive=True,
+                                        shapes=((3, 1, 4), (5, 1, 6), (7, 1, 8), (4, 2, 8))),
          # the CPU's candidates before the 7-step chain joined them (2026-12-06): S1, S3, S5
          "adaptive_cpu3": dict(adaptive=True, shapes=((1, 1, 2), (3, 1, 4), (5, 1, 6))),
          "adaptive_eagle3_cpu3": dict(algorithm="eagle3", adaptive=True,
@@ -221,6 +228,7 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "dot": ("eaglekv.kernels.fused", "GEMV_DOT_MAX_ROWS", 16),
                    "nodot": ("eaglekv.kernels.fused", "GEMV_DOT_MAX_ROWS", 0)}
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees", "adaptive_eagle3_s7",
+                  "adaptive_gpu_s7", "adaptive_eagle3_gpu_s7",
                   "adaptive_random_draft", "adaptive_cpu3", "adaptive_eagle3_cpu3",
                   "adaptive_cpu3_random_draft")
 
