@@ -17,7 +17,8 @@ root=$(git rev-parse --show-toplevel)
 cd "$root"
 HEAVY=(eaglekv/drafts/smollm2-135m-instruct-eagle3/model.safetensors
        eaglekv/drafts/smollm2-135m-instruct-eagle/model.safetensors
-       bench/results bench/data/selfgen_smollm2_v2 bench/data/selfgen_smollm2_v3)
+       bench/results bench/data/selfgen_smollm2_v2 bench/data/selfgen_smollm2_v3
+       bench/data/selfgen_smollm2_v4)
 keep="$root/.carry/slimmed"
 grep -qxF '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
 

@@ -28,6 +28,13 @@
 # /root/sg,/root/sg2 MAX_TOKENS=24576 bench/h200_issue14.sh train` with
 # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. The features of both (9.4M tokens) are 43 GB
 # on the GPU; a third store goes to host memory by itself (`--features-on auto`).
+# Three stores (2026-12-06 11:1x, the v6 head; _v4 the third, 6.7 MB): part a + _v2 -> /root/sg;
+# part b + .carry/pylib + a copy of _v3 as .carry/sg2 (-> /root/sg2), then in the same call
+# `GEN_DIR=/root/sg3 SEED=3 GEN_BUDGET=330 ... gen` made the third (or carry _v4 in a short
+# call); the drafts + pylib (copy the EAGLE-3 head to /root/drafts/ for INIT_FROM); then
+# DATA_DIR=/root/sg,/root/sg2,/root/sg3 TRAIN_TOTAL=440 DEADLINE=530: 58 GB of features in host
+# memory, 145 s for the feature pass, 3.0 steps/s. `eval` reads $R/sg/heldout_prompts.json:
+# copy bench/data/heldout_prompts_smollm2.json there first.
 set -uo pipefail
 export PYTHONPATH=.:.carry/pylib
 M=${MODEL:-/root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
