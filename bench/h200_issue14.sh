@@ -6,6 +6,8 @@
 #                                      # several stores; resumes $R/ckpt.pt; INIT_FROM=
 #                                      # eaglekv/drafts/smollm2-135m-instruct-eagle3 goes on
 #                                      # from the shipped head)
+#                                      # (WIDTH=3072: a wider MLP grown from INIT_FROM's
+#                                      # function; AUX_LAYERS=1,14,28: other target layers)
 #   bench/h200_issue14.sh eval         # eval-draft of $R/head3 on the held-out prompts, b1
 # Stage the model first (part a in one call, part b carried in the next; h200_issue13.sh).
 # A machine kept /root across calls only sometimes (2026-12-04: lost between a 430 s gen call
@@ -65,7 +67,8 @@ for phase in "$@"; do
       for d in "${ds[@]}"; do dirs+=(--data-dir "$d"); done
       python3 -m eaglekv.cli train-draft train --algorithm eagle3 --model "$M" "${dirs[@]}" \
         --out $R/head3 --ckpt $R/ckpt.pt ${RESUME:+--resume} --device "$DEV" \
-        ${INIT_FROM:+--init-from "$INIT_FROM"} \
+        ${INIT_FROM:+--init-from "$INIT_FROM"} ${WIDTH:+--intermediate-size "$WIDTH"} \
+        ${AUX_LAYERS:+--aux-layers "$AUX_LAYERS"} \
         --train-budget "${TRAIN_TOTAL:-480}" --deadline "${DEADLINE:-270}" --lr "${LR:-6e-4}" \
         --warmup 100 --max-tokens "${MAX_TOKENS:-32768}" --draft-vocab "${VOCAB:-16384}" \
         --ttt-steps 7 --eval-every-s 60 --log "$OUT/train_log${RESUME:+_resumed}.json" 2>&1 \
