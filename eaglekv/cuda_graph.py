@@ -265,10 +265,11 @@ class VerifyGraphs(CapturedForwards):
 
     def __init__(self, model, backend, max_batch: int, num_tokens: int,
                  capture_layers: tuple[int, ...] = (), progress: bool = True,
-                 capture: bool = True):
+                 capture: bool = True, chain: bool = False):
         super().__init__(model, backend, max_batch, capture)
         N, n, dev = num_tokens, self.buckets[-1], self.device
         self.N, self.capture_layers = N, tuple(capture_layers)
+        self.chain = chain       # every tree a chain (topk 1): backend.verify_metadata
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
         self.ids, self.positions, self.out_cache_loc = z(n * N), z(n * N), z(n * N)
         self.rows, self.prefix = z(n), z(n)
@@ -280,11 +281,10 @@ class VerifyGraphs(CapturedForwards):
 
     def _forward(self, b: int) -> ModelOutput:
         T = b * self.N
-        meta = TritonAttnMetadata(kv_start=self.rows[:b] * self.backend.width,
-                                  out_cache_loc=self.out_cache_loc[:T], kv_len=None,
-                                  prefix_len=self.prefix[:b], extend_len=self.extend_len[:b],
-                                  q_start=self.q_start[:b], mask=self.mask[:b],
-                                  max_extend=self.N)
+        meta = self.backend.verify_metadata(self.rows[:b] * self.backend.width,
+                                            self.prefix[:b], self.extend_len[:b],
+                                            self.q_start[:b], self.mask[:b], self.N,
+                                            self.out_cache_loc[:T], chain=self.chain)
         return self.model.forward_tokens(self.ids[:T], self.positions[:T], self.backend, meta,
                                          return_hidden=True,
                                          capture_layers=self.capture_layers)

@@ -16,6 +16,7 @@ copied into the same tensors.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -88,6 +89,26 @@ class TritonAttentionBackend(AttentionBackend):
                                     self.sm_count)
         return TritonAttnMetadata(kv_start=kv_start, out_cache_loc=out_cache_loc, kv_len=kv_len,
                                   num_splits=splits)
+
+    def verify_metadata(self, kv_start: torch.Tensor, prefix_len: torch.Tensor,
+                        extend_len: torch.Tensor, q_start: torch.Tensor, mask: torch.Tensor,
+                        n: int, out_cache_loc: torch.Tensor, *, chain: bool
+                        ) -> TritonAttnMetadata:
+        """A verify forward's metadata: `n` tree nodes per request (b of them), node j's K/V
+        at row position prefix_len + j, visible to the nodes `mask` (b, n, n) says. A chain's
+        (`chain`: node i sees nodes 0..i, the causal mask) goes to the decode kernel as b * n
+        queries, query (r, i) over the first prefix_len[r] + i + 1 keys of row r, while b * n
+        <= CHAIN_VERIFY_DECODE_MAX_TOKENS; otherwise the extend kernel under the mask. Device
+        tensors only and host ints fixed per b and n: captured per bucket as before."""
+        b = kv_start.shape[0]
+        if chain and 0 < b * n <= CHAIN_VERIFY_DECODE_MAX_TOKENS:
+            steps = torch.arange(1, n + 1, dtype=prefix_len.dtype, device=prefix_len.device)
+            return self.decode_metadata(kv_start[:, None].expand(b, n).contiguous().view(-1),
+                                        (prefix_len[:, None] + steps).reshape(-1),
+                                        out_cache_loc, self.width)
+        return TritonAttnMetadata(kv_start=kv_start, out_cache_loc=out_cache_loc, kv_len=None,
+                                  prefix_len=prefix_len, extend_len=extend_len,
+                                  q_start=q_start, mask=mask, max_extend=n)
 
     def init_decode_metadata(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                              kv_lens: tuple[int, ...], out_cache_loc: torch.Tensor
@@ -180,6 +201,12 @@ class TritonAttentionBackend(AttentionBackend):
 
 
 CHECK_ONCE = True     # False inside `layer_checks()` only
+# A chain's verify through the decode kernel (`verify_metadata`) for verifies of at most this
+# many tokens; 0: off, every verify in the extend kernel under its tree mask. By the H100
+# profile of S5 at batch 1 (2026-12-06) a verify layer's attention is the extend kernel 7.1 us
+# + its merge 1.5 us, where the decode's is 3.7 + 1.3 us; off until measured end to end (the
+# bench's `_vdec` modes, EAGLEKV_CHAIN_VERIFY_DECODE=64).
+CHAIN_VERIFY_DECODE_MAX_TOKENS = int(os.environ.get("EAGLEKV_CHAIN_VERIFY_DECODE", "0"))
 
 
 @contextmanager

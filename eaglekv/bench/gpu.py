@@ -206,12 +206,19 @@ MODES.update({f"{m}_{v}": MODES[m]
                                   ("eagle3_tree_S6K4N16", ("dot",)),
                                   ("adaptive", ("dot", "nodot")))
               for v in variants})
+# a chain's verify through the decode kernel (triton_backend.CHAIN_VERIFY_DECODE_MAX_TOKENS 64:
+# verifies of <= 64 tokens, e.g. S5/S7 at batch 1-4); `_novdec`: the extend kernel, as shipped
+MODES.update({f"{m}_{v}": MODES[m]
+              for m in ("eagle_chain_S5K1N6", "eagle3_chain_S5K1N6", "eagle3_chain_S7K1N8",
+                        "adaptive", "adaptive_eagle3_gpu_s7")
+              for v in ("vdec", "novdec")})
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
-            "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot")
+            "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
+            "_novdec")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -226,7 +233,12 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "gp1": ("eaglekv.kernels.greedy_triton", "SPLIT_MAX_ROWS", 0),
                    "nocap": ("eaglekv.speculative.adaptive", "EXPLORE_CAP", float("inf")),
                    "dot": ("eaglekv.kernels.fused", "GEMV_DOT_MAX_ROWS", 16),
-                   "nodot": ("eaglekv.kernels.fused", "GEMV_DOT_MAX_ROWS", 0)}
+                   "nodot": ("eaglekv.kernels.fused", "GEMV_DOT_MAX_ROWS", 0),
+                   # a chain's verify of <= 64 tokens through the decode kernel
+                   "vdec": ("eaglekv.attention.triton_backend",
+                            "CHAIN_VERIFY_DECODE_MAX_TOKENS", 64),
+                   "novdec": ("eaglekv.attention.triton_backend",
+                              "CHAIN_VERIFY_DECODE_MAX_TOKENS", 0)}
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees", "adaptive_eagle3_s7",
                   "adaptive_gpu_s7", "adaptive_eagle3_gpu_s7",
                   "adaptive_random_draft", "adaptive_cpu3", "adaptive_eagle3_cpu3",

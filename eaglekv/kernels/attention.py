@@ -92,6 +92,9 @@ def _check_common(op, q, k_buffer, v_buffer, table, size_limit, scale, meta, out
                             f"{x.dtype} of shape {tuple(x.shape)}")
         if B is not None and x.shape[0] != B:
             raise ValueError(f"{op}: {name} has {x.shape[0]} entries, {meta[0][0]} has {B}")
+        if x.shape[0] > 1 and x.stride(0) != 1:    # the kernels index it as packed
+            raise ValueError(f"{op}: {name} has stride {x.stride(0)}; the kernels read it "
+                             f"packed (stride 1): pass {name}.contiguous()")
         B = x.shape[0]
     tensors = [("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("table", table),
                *meta] + ([("out", out)] if out is not None else [])

@@ -112,6 +112,11 @@ def guard_table_rows(table: torch.Tensor, kv_start: torch.Tensor,
     from eaglekv.kernels.store_cache import use_triton
     if not isinstance(width, int) or width < 1:
         raise ValueError(f"{op}: width={width} must be an int >= 1")
+    for name, x in (("kv_start", kv_start), ("prefix_len", prefix_len),
+                    ("extend_len", extend_len)):
+        if x is not None and x.shape[0] > 1 and x.stride(0) != 1:
+            raise ValueError(f"{op}: {name} has stride {x.stride(0)}; the guard reads it "
+                             f"packed (stride 1): pass {name}.contiguous()")
     guard = kv_guard(table.device)
     call_id = guard.next_id
     if call_id > MAX_CALL_ID:

@@ -74,7 +74,8 @@ class EagleWorker:
         if res.cuda_graph_max_bs:    # the verify forward, captured per batch bucket
             from eaglekv.cuda_graph import VerifyGraphs
             self.verify_graphs = VerifyGraphs(res.model, res.backend, res.cuda_graph_max_bs,
-                                              self.N, drafter.capture_layers)
+                                              self.N, drafter.capture_layers,
+                                              chain=self.K == 1)
             # a whole greedy step as one graph; page_size 1 only: with larger pages the draft
             # and the verify window would both continue the request's partly filled last page
             if self.draft_graphable(drafter) and res.page_size == 1:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from eaglekv.attention.triton_backend import TritonAttnMetadata
 from eaglekv.errors import KVIndexError
 from eaglekv.cuda_graph import CapturedForwards
 from eaglekv.kernels.greedy import greedy_pick
@@ -99,10 +98,10 @@ class SpecStepGraphs(CapturedForwards):
         # 2. verify: N nodes per request at L + depth under the tree mask
         with phase("verify"):
             w.slots.write_verify_table(rows, L, vslots)
-            meta = TritonAttnMetadata(kv_start=rows * self.backend.width,
-                                      out_cache_loc=vslots.reshape(-1), kv_len=None,
-                                      prefix_len=L, extend_len=self.extend_len[:b],
-                                      q_start=self.q_start[:b], mask=tree.mask, max_extend=N)
+            meta = self.backend.verify_metadata(rows * self.backend.width, L,
+                                                self.extend_len[:b], self.q_start[:b],
+                                                tree.mask, N, vslots.reshape(-1),
+                                                chain=w.K == 1)
             out = res.model.forward_tokens(tree.tokens.reshape(-1),
                                            (L[:, None] + tree.depth).reshape(-1), self.backend,
                                            meta, return_hidden=True,

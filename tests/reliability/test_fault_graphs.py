@@ -58,6 +58,12 @@ CONFIGS = {
     # chains of 2 whole-step replays (spec_chain_steps(8, 3)), one sync
     "spec_step_chain": ({"attention_backend": "triton", "num_scheduler_steps": 8,
                          "speculative": spec("eagle", 3, 2, 5)}, "spec_step"),
+    # a chain (topk 1) verified through the decode kernel (CHAIN_VERIFY_DECODE_MAX_TOKENS,
+    # set for the `_vdec` configurations by `_chain_verify_route`)
+    "verify_graph_vdec": ({"attention_backend": "triton", "page_size": 4,
+                           "speculative": spec("eagle", 3, 1, 4)}, "verify"),
+    "spec_step_graph_vdec": ({"attention_backend": "triton", "num_scheduler_steps": 1,
+                              "speculative": spec("eagle", 3, 1, 4)}, "spec_step"),
 }
 PATHS = {
     "decode_graph": ["store_cache", "graph_padded_rows", "req_to_token"],
@@ -67,6 +73,9 @@ PATHS = {
                         "tree_retrieve"],
     "spec_step_chain": ["store_cache", "draft_out_cache_loc", "graph_padded_rows",
                         "tree_retrieve"],
+    "verify_graph_vdec": ["store_cache", "graph_padded_rows"],
+    "spec_step_graph_vdec": ["store_cache", "draft_out_cache_loc", "graph_padded_rows",
+                             "tree_retrieve"],
 }
 CASES = [(c, p, k) for c in CONFIGS for p in PATHS[c] for k in KINDS]
 
@@ -85,12 +94,22 @@ def build(tiny_dir, config, device):
         elif kind == "verify":
             r.verify_graphs = VerifyGraphs(r.res.model, r.res.backend, 4, r.N,
                                            r.drafter.capture_layers, progress=False,
-                                           capture=False)
+                                           capture=False, chain=r.K == 1)
         else:
             r.slots.hold_both = True
             r.step_graphs = SpecStepGraphs(r, 4, progress=False, capture=False)
     assert kind in graph_objects(eng), f"{config}: no {kind} graphs on {device}"
     return eng
+
+
+@pytest.fixture(autouse=True)
+def _chain_verify_route(request, monkeypatch):
+    """The `_vdec` configurations build, capture and run with a chain's verify on the decode
+    kernel; the others with the shipped route."""
+    from eaglekv.attention import triton_backend
+    config = getattr(request.node, "callspec", None)
+    vdec = config is not None and str(config.params.get("config", "")).endswith("_vdec")
+    monkeypatch.setattr(triton_backend, "CHAIN_VERIFY_DECODE_MAX_TOKENS", 64 if vdec else 0)
 
 
 @pytest.fixture(scope="module")

@@ -263,3 +263,56 @@ def test_a_chain_is_cut_to_what_the_budgets_need(tiny_dir):
     assert w.chain_len([req(5)]) == 2
     w.budget_cut = False
     assert w.chain_len([req(5)]) == 6
+
+
+@pytest.mark.parametrize("path", ["step", "verify"])
+def test_chain_verify_through_the_decode_kernel(tiny_dir, monkeypatch, path):
+    """`CHAIN_VERIFY_DECODE_MAX_TOKENS`: a chain's verify runs as one decode query per node
+    (the decode kernel over prefix + i + 1 keys) instead of the extend kernel under the
+    causal tree mask. Through SpecStepGraphs' buffers (greedy, accept lengths varying from 0
+    to S: `make_predictable`) and VerifyGraphs' (sampled, seeded): the same tokens and the same
+    acceptance as the extend kernel's, every verify on the decode route, books balanced. A
+    tree (topk 2) keeps the extend kernel."""
+    from eaglekv.attention import triton_backend as tb
+    routes = []
+    made = tb.TritonAttentionBackend.verify_metadata
+
+    def spy(self, *a, **kw):
+        meta = made(self, *a, **kw)
+        routes.append((kw["chain"], meta.decode))
+        return meta
+    monkeypatch.setattr(tb.TritonAttentionBackend, "verify_metadata", spy)
+    greedy = path == "step"
+    sp = (SamplingParams(max_new_tokens=8, ignore_eos=True) if greedy else
+          SamplingParams(max_new_tokens=6, temperature=0.8, seed=3, ignore_eos=True))
+    runs = []
+    for limit in (0, 64):
+        monkeypatch.setattr(tb, "CHAIN_VERIFY_DECODE_MAX_TOKENS", limit)
+        routes.clear()
+        engine = tiny_engine(tiny_dir, max_running_requests=4, attention_backend="triton",
+                             max_context_len=64, speculative=spec("eagle", 3, 1, 4))
+        make_predictable(engine)
+        w = engine.runner
+        w.slots.hold_both = True
+        if greedy:
+            w.step_graphs = SpecStepGraphs(w, 4, progress=False, capture=False)
+        w.verify_graphs = VerifyGraphs(w.res.model, w.res.backend, 4, w.N, progress=False,
+                                       capture=False, chain=True)
+        outs = [o.token_ids for o in engine.generate(PROMPTS, sp)]
+        engine.check_memory()
+        assert engine.allocator.is_full()
+        assert routes and all(c for c, _ in routes)
+        assert all(d == (limit > 0) for _, d in routes)      # 4 rows x 4 nodes <= 64
+        runs.append((outs, w.stats.verify_steps, w.stats.accepted_tokens,
+                     w.stats.accept_histogram))
+    assert runs[0] == runs[1]
+    assert len(runs[0][3]) >= 2 or not greedy                 # greedy: accept lengths varied
+    # a tree is never a decode
+    routes.clear()
+    engine = tiny_engine(tiny_dir, max_running_requests=4, attention_backend="triton",
+                         max_context_len=64, speculative=spec("eagle", 3, 2, 5))
+    w = engine.runner
+    w.slots.hold_both = True
+    w.step_graphs = SpecStepGraphs(w, 4, progress=False, capture=False)
+    engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert routes and not any(c or d for c, d in routes)

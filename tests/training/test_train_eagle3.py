@@ -248,14 +248,14 @@ def test_train_draft_cli_on_gen_data(setup, tmp_path, algorithm, stores):
         load_eagle_draft(out, load_hf_dir(path)[0])
 
 
-def test_train_init_from_a_published_head(setup, tmp_path):
-    """`train --algorithm eagle3 --init-from HEAD`: the new run starts from HEAD's weights and
-    keeps its draft vocabulary (with lr 0 the saved head is HEAD again, tensor for tensor; with
-    a real lr it moves), and a head of another shape is refused by name."""
+def cli_trainer(setup, tmp_path):
+    """`train(out, *extra)`: `train-draft train --algorithm eagle3` on the setup's sequences
+    saved as one gen-data store (every 5th held out), 3 steps on the CPU; returns the saved
+    head's (config, state dict)."""
     from eaglekv.model.draft_io import read_draft_dir
     from eaglekv.training.cli import main
     from eaglekv.training.seqstore import save_gen_data
-    path, model, cfg, data = setup
+    path, _, _, data = setup
     seqs = [{**s, "kind": "chat", "held_out": i % 5 == 0} for i, s in enumerate(data.seqs)]
     save_gen_data(tmp_path / "sg", seqs, {"command": "test"})
 
@@ -264,7 +264,18 @@ def test_train_init_from_a_published_head(setup, tmp_path):
                      str(tmp_path / "sg"), "--out", str(out), "--device", "cpu",
                      "--max-steps", "3", "--max-tokens", "256", "--warmup", "1",
                      "--ttt-steps", "2", *extra]) == 0
-        return read_draft_dir(out, "head")[1]
+        return read_draft_dir(out, "head")
+    return train
+
+
+def test_train_init_from_a_published_head(setup, tmp_path):
+    """`train --algorithm eagle3 --init-from HEAD`: the new run starts from HEAD's weights and
+    keeps its draft vocabulary (with lr 0 the saved head is HEAD again, tensor for tensor; with
+    a real lr it moves), and a head of another shape is refused by name."""
+    run = cli_trainer(setup, tmp_path)
+
+    def train(out, *extra):
+        return run(out, *extra)[1]
 
     a = train(tmp_path / "a", "--draft-vocab", "64", "--seed", "1")
     same = train(tmp_path / "b", "--init-from", str(tmp_path / "a"), "--lr", "0",
@@ -293,21 +304,12 @@ def test_train_a_wider_head_or_one_reading_other_layers(setup, tmp_path):
     refused by name."""
     import json
     from eaglekv.config import SamplingParams, SpecConfig
-    from eaglekv.model.draft_io import read_draft_dir
-    from eaglekv.training.cli import main
     from eaglekv.training.eagle3_head import Eagle3Head
-    from eaglekv.training.seqstore import save_gen_data
     path, model, cfg, data = setup
-    seqs = [{**s, "kind": "chat", "held_out": i % 5 == 0} for i, s in enumerate(data.seqs)]
-    save_gen_data(tmp_path / "sg", seqs, {"command": "test"})
+    run = cli_trainer(setup, tmp_path)
 
     def train(out, *extra):
-        assert main(["train", "--algorithm", "eagle3", "--model", str(path), "--data-dir",
-                     str(tmp_path / "sg"), "--out", str(out), "--device", "cpu",
-                     "--max-steps", "3", "--max-tokens", "256", "--warmup", "1",
-                     "--ttt-steps", "2", "--draft-vocab", "64", "--log", str(out) + ".json",
-                     *extra]) == 0
-        return read_draft_dir(out, "head")
+        return run(out, "--draft-vocab", "64", "--log", str(out) + ".json", *extra)
 
     I = cfg.intermediate_size
     _, a = train(tmp_path / "a")
