@@ -11,6 +11,7 @@
 #   bench/h200_issue13.sh tiles   # the decode kernel's tile (bench/decode_tiles.py)
 #   bench/h200_issue13.sh adaptive  # adaptive against its fixed shapes and plain
 #   bench/h200_issue13.sh dot     # the gemv's tensor-core tile (5-16 rows): tilings, then engine
+#   bench/h200_issue13.sh vdec    # a chain's verify via the decode kernel; adaptive with S7
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
 #                                 # (the whole suite takes ~7 min on an H100: split it, e.g.
 #                                 # tests/kernels, then tests/speculative tests/engine ...)
@@ -123,6 +124,18 @@ PY
     # adaptive is compared with, EAGLE-3; no 8B row
     MODES=${MODES:-plain,plain_sp4,plain_gt1k,eagle_chain_S5K1N6_gemv8_gt1k,eagle_chain_S5K1N6_gp1,adaptive_pg,plain_nopdl,plain_unchecked,eagle_chain_S5K1N6,eagle_chain_S5K1N6_nopdl,eagle_chain_S5K1N6_unchecked,eagle_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_tree_S6K4N16,adaptive,adaptive_eagle3_trees} \
       CHECKS_REPLAY=${CHECKS_REPLAY-1} LLAMA8B=${LLAMA8B:-" "} FLOOR=${FLOOR:-0} "$0" bench
+    ;;
+  vdec)
+    # 2026-12-06 (thirteenth session, not yet run): a chain's verify through the decode kernel
+    # (triton_backend.CHAIN_VERIFY_DECODE_MAX_TOKENS) against the extend kernel, and the
+    # device's adaptive candidates with the 7-step chain added, in one process (needs both
+    # heads' weights in eaglekv/drafts/); first its GPU tests (graph faults incl. the _vdec
+    # configurations, the lossless checks)
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/reliability/test_fault_graphs.py \
+      tests/speculative/test_spec_gpu.py -k "vdec or decode_kernel or chains_equal" 2>&1 \
+      | tail -c 20000 > "$OUT/gpu_tests_vdec.log"; tail -3 "$OUT/gpu_tests_vdec.log"
+    MODES=${MODES:-plain,eagle_chain_S5K1N6,eagle_chain_S5K1N6_vdec,eagle3_chain_S5K1N6,eagle3_chain_S5K1N6_vdec,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_vdec,adaptive,adaptive_gpu_s7,adaptive_eagle3_gpu_s7} \
+      REPEATS=${REPEATS:-3} LLAMA8B=${LLAMA8B:-" "} FLOOR=${FLOOR:-0} "$0" bench
     ;;
   tests)
     shift

@@ -151,3 +151,36 @@ def test_gpu_spec_chains_equal_one_step_and_plain(tiny_dir, deep_dir, alg, S, K,
         assert eng.allocator.is_full()
         runs.append([(r.spec_stats.verify_steps, r.spec_stats.accept_histogram) for r in reqs])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("ps", [1, 4], ids=["step-graph", "verify-graph"])
+@pytest.mark.parametrize("alg", ["eagle", "eagle3"])
+def test_gpu_chain_verify_through_the_decode_kernel(tiny_dir, deep_dir, monkeypatch, alg, ps):
+    """A chain's verify as decode queries (`CHAIN_VERIFY_DECODE_MAX_TOKENS`), captured in the
+    whole-step graphs (page_size 1) or the verify graphs (page_size 4): greedy equal to plain
+    in fp32 with the same accept lengths as the extend kernel's route, books balanced."""
+    from eaglekv.attention import triton_backend
+    from helpers import make_predictable
+    model_dir = tiny_dir if alg == "eagle" else deep_dir
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (24, 17, 20)]
+    plain_eng = tiny_engine(model_dir, device="cuda")
+    if alg == "eagle":
+        make_predictable(plain_eng)
+    plain = [o.token_ids for o in plain_eng.generate(PROMPTS, params)]
+    runs = []
+    for limit in (0, 64):
+        monkeypatch.setattr(triton_backend, "CHAIN_VERIFY_DECODE_MAX_TOKENS", limit)
+        eng = tiny_engine(model_dir, device="cuda", page_size=ps, max_running_requests=4,
+                          speculative=dict(algorithm=alg, draft_model="random", num_steps=5,
+                                           topk=1, num_draft_tokens=6))
+        if alg == "eagle":
+            make_predictable(eng)
+        reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+        while eng.has_unfinished():
+            eng.step()
+            eng.check_memory()
+        assert [r.output_ids for r in reqs] == plain
+        _check_graphs(eng, True)
+        assert eng.allocator.is_full()
+        runs.append([(r.spec_stats.verify_steps, r.spec_stats.accept_histogram) for r in reqs])
+    assert runs[0] == runs[1]
