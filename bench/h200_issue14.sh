@@ -7,7 +7,8 @@
 #                                      # eaglekv/drafts/smollm2-135m-instruct-eagle3 goes on
 #                                      # from the shipped head)
 #                                      # (WIDTH=3072: a wider MLP grown from INIT_FROM's
-#                                      # function; AUX_LAYERS=1,14,28: other target layers)
+#                                      # function; AUX_LAYERS=1,14,28: other target layers;
+#                                      # TOPK_WEIGHT=1: HASS's top-10 distillation term)
 #   bench/h200_issue14.sh eval         # eval-draft of $R/head3 on the held-out prompts, b1
 # Stage the model first (part a in one call, part b carried in the next; h200_issue13.sh).
 # A machine kept /root across calls only sometimes (2026-12-04: lost between a 430 s gen call
@@ -68,7 +69,7 @@ for phase in "$@"; do
       python3 -m eaglekv.cli train-draft train --algorithm eagle3 --model "$M" "${dirs[@]}" \
         --out $R/head3 --ckpt $R/ckpt.pt ${RESUME:+--resume} --device "$DEV" \
         ${INIT_FROM:+--init-from "$INIT_FROM"} ${WIDTH:+--intermediate-size "$WIDTH"} \
-        ${AUX_LAYERS:+--aux-layers "$AUX_LAYERS"} \
+        ${AUX_LAYERS:+--aux-layers "$AUX_LAYERS"} ${TOPK_WEIGHT:+--topk-weight "$TOPK_WEIGHT"} \
         --train-budget "${TRAIN_TOTAL:-480}" --deadline "${DEADLINE:-270}" --lr "${LR:-6e-4}" \
         --warmup 100 --max-tokens "${MAX_TOKENS:-32768}" --draft-vocab "${VOCAB:-16384}" \
         --ttt-steps 7 --eval-every-s 60 --log "$OUT/train_log${RESUME:+_resumed}.json" 2>&1 \

@@ -216,6 +216,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the head's MLP width (default: the --init-from head's, else the "
                         "target's); a narrower --init-from head is widened without changing "
                         "what it computes (new units start with zero output)")
+    e.add_argument("--topk-loss", type=int, default=10,
+                   help="k of the top-k distillation term (HASS), with --topk-weight > 0")
+    e.add_argument("--topk-weight", type=float, default=0.0,
+                   help="weight of the cross entropy over the target's top-k draft tokens, "
+                        "added to each TTT step's full cross entropy (0: off, as the shipped "
+                        "heads were trained)")
     e.add_argument("--aux-layers", default=None,
                    help="the three target layer outputs the head reads, e.g. 1,14,28 "
                         "(default: the --init-from head's, else EAGLE-3's (1, L/2-1, L-4)); "

@@ -94,6 +94,10 @@ def cmd_train_eagle3(args, seqs: list[dict], command_line: str, out) -> dict:
     from eaglekv.training.eagle3_head import eagle3_head_for_target, widen_mlp
     from eaglekv.training.eagle3_loop import Targets, evaluate_eagle3, train_eagle3
     from eaglekv.training.vocab import DraftVocab, choose_draft_vocab
+    # the loss first: a bad value fails before the target and its features load
+    tk, tk_w = getattr(args, "topk_loss", 10), getattr(args, "topk_weight", 0.0)
+    if tk_w < 0 or (tk_w > 0 and tk < 1):
+        raise SystemExit(f"--topk-weight {tk_w} must be >= 0 and --topk-loss {tk} >= 1")
     t_start = time.time()
     log = {"command": command_line, "algorithm": "eagle3",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
@@ -166,7 +170,9 @@ def cmd_train_eagle3(args, seqs: list[dict], command_line: str, out) -> dict:
                      "step_weight": "0.8^s", "schedule": "cosine to 0.1 over max_steps or budget",
                      "optimizer": "AdamW(0.9, 0.95), wd 0, clip 0.5", "amp_bf16": args.amp,
                      "max_tokens_per_batch": args.max_tokens, "seed": args.seed,
-                     "loss": "CE(softmax(target logits on draft vocab), draft) per TTT step",
+                     "loss": "CE(softmax(target logits on draft vocab), draft) per TTT step"
+                             + (f" + {tk_w} x the same over the target's top {tk} (HASS)"
+                                if tk_w > 0 else ""),
                      "init": "lm_head, norm from the target; the rest N(0, 0.02), norms 1"}
     # --train-budget spans the schedule (summed over resumes); --deadline ends this process
     # (a GPU command's limit) and leaves the rest to --resume
@@ -175,7 +181,8 @@ def cmd_train_eagle3(args, seqs: list[dict], command_line: str, out) -> dict:
                        time_budget=args.train_budget, max_steps=args.max_steps,
                        max_tokens=args.max_tokens, warmup=args.warmup, amp=args.amp,
                        seed=args.seed, ckpt=args.ckpt, resume=args.resume,
-                       eval_every_s=args.eval_every_s, stop_after_s=stop, out=out)
+                       eval_every_s=args.eval_every_s, stop_after_s=stop, out=out,
+                       topk=tk, topk_weight=tk_w)
     log.update(res)
     # 4. save (bf16), then the held-out figures of the saved weights
     sd = head.published_state_dict(torch.bfloat16)

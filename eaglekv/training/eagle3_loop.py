@@ -77,7 +77,8 @@ def train_eagle3(head, tg: Targets, data, train_ids, eval_ids, *, steps: int, lr
                  seed: int, ckpt: str | None = None, ckpt_every_s: float = 120.0,
                  resume: bool = False, eval_every_s: float = 120.0, min_lr_frac: float = 0.1,
                  grad_clip: float = 0.5, stop_at_step: int | None = None,
-                 stop_after_s: float | None = None, progress: bool = True, out=print) -> dict:
+                 stop_after_s: float | None = None, progress: bool = True, out=print,
+                 topk: int = 0, topk_weight: float = 0.0) -> dict:
     """Train `head` in place; returns the log (history, held-out evaluations, timing).
     The schedule spans `max_steps` / `time_budget` (seconds trained, summed over resumes);
     `stop_at_step` / `stop_after_s` (this call's wall time) end this call early without changing
@@ -119,7 +120,7 @@ def train_eagle3(head, tg: Targets, data, train_ids, eval_ids, *, steps: int, lr
                 gr["lr"] = lr * scale
             ids, aux, tl, argmax, mask = tg.batch(data, order[st["batch"]])
             loss, stats, _ = ttt_loss(head, tg.embed, ids, aux, tl, argmax, mask, steps=steps,
-                                      amp=amp)
+                                      amp=amp, topk=topk, topk_weight=topk_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), grad_clip)

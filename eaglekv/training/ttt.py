@@ -78,12 +78,20 @@ def shift(x: torch.Tensor, s: int, n: int, fill=0):
 
 
 def ttt_loss(head: Eagle3Head, embed, ids, aux, tgt_logits, tgt_argmax, mask, *, steps: int,
-             decay: float = 0.8, amp: bool = False):
+             decay: float = 0.8, amp: bool = False, topk: int = 0, topk_weight: float = 0.0):
     """One batch. tgt_logits (B, T, Vd): the target's logits over the draft vocabulary at each
     position; tgt_argmax (B, T): its argmax over the full vocabulary; mask (B, T): positions whose
     prediction is trained (in the sequence, in the response). Returns (loss, stats, chain_ok)
     with chain_ok (steps, B, n) bool: step s's draft and all before it match the target argmax
-    (what a greedy chain of s+1 drafts accepts at index p)."""
+    (what a greedy chain of s+1 drafts accepts at index p).
+
+    Each step's loss is the cross entropy to the target's distribution p over the draft
+    vocabulary; `topk_weight` w > 0 adds w * -sum_{x in top-`topk` of p} p(x) log q(x), the
+    top-K distillation term of HASS (Zhang et al. 2024), which weighs the tokens a verify can
+    accept above the tail. `loss{s}` in the stats stays the cross entropy alone."""
+    if topk_weight < 0 or (topk_weight > 0 and topk < 1):
+        raise ValueError(f"top-k loss: weight {topk_weight} must be >= 0, and k {topk} >= 1 "
+                         f"when the weight is > 0")
     n = ids.shape[1] - 1
     draft_ids = head.target_ids                                              # (Vd,) target ids
     total, weights, stats, chain_ok = 0.0, 0.0, {}, []
@@ -94,8 +102,13 @@ def ttt_loss(head: Eagle3Head, embed, ids, aux, tgt_logits, tgt_argmax, mask, *,
             logits = head.logits(g[m]).float()                               # (M, Vd)
             with torch.no_grad():
                 p = shift(tgt_logits, s, n)[m].float().softmax(-1)           # (M, Vd)
-            loss_s = -(p * logits.log_softmax(-1)).sum(-1).mean() if m.any() else logits.sum() * 0
-            total = total + decay ** s * loss_s
+            logq = logits.log_softmax(-1)
+            loss_s = -(p * logq).sum(-1).mean() if m.any() else logits.sum() * 0
+            extra = loss_s * 0
+            if topk_weight > 0 and m.any():
+                pk, ik = p.topk(min(topk, p.shape[-1]), -1)                  # (M, k)
+                extra = -topk_weight * (pk * logq.gather(-1, ik)).sum(-1).mean()
+            total = total + decay ** s * (loss_s + extra)
             weights += decay ** s
             with torch.no_grad():
                 hit = torch.zeros_like(ok)

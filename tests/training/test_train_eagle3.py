@@ -214,6 +214,60 @@ def test_ttt_loss_masks_prompt_and_padding(setup):
     assert ok.shape == (1, 3, ids.shape[1] - 1)
 
 
+def test_topk_loss_term(setup):
+    """`topk_weight` w adds w * -sum over the target's top-k draft tokens of p log q to each
+    step's cross entropy (HASS): 0 leaves the loss as it was, k = the whole draft vocabulary
+    scales it by 1 + w, and k = 1 adds w * -p(x*) log q(x*) for the target's most likely token
+    x*, computed here from the unrolled features; the stats keep the cross entropy alone."""
+    from eaglekv.training.ttt import shift
+    path, model, cfg, data = setup
+    head, _ = fresh_head(cfg, data, seed=3)
+    embed = model.get_input_embeddings().weight.detach()
+    tg = Targets(embed, model.get_output_embeddings().weight.detach(), head.target_ids)
+    ids, aux, tl, am, mask = tg.batch(data, [0, 7, 40])
+    with torch.no_grad():
+        base, st0, _ = ttt_loss(head, embed, ids, aux, tl, am, mask, steps=2)
+        same, st_same, _ = ttt_loss(head, embed, ids, aux, tl, am, mask, steps=2, topk=5,
+                                    topk_weight=0.0)
+        whole, st_whole, _ = ttt_loss(head, embed, ids, aux, tl, am, mask, steps=2,
+                                      topk=head.target_ids.numel(), topk_weight=0.5)
+        one, _, _ = ttt_loss(head, embed, ids, aux, tl, am, mask, steps=1, topk=1,
+                             topk_weight=2.0)
+        ce1, _, _ = ttt_loss(head, embed, ids, aux, tl, am, mask, steps=1)
+        n = ids.shape[1] - 1
+        g = next(iter(ttt_unroll(head, embed, ids, aux, 1)))[1]
+        m = shift(mask, 0, n, False)
+        logq = head.logits(g[m]).float().log_softmax(-1)
+        p = shift(tl, 0, n)[m].float().softmax(-1)
+        top = p.argmax(-1, keepdim=True)
+        want = ce1 + 2.0 * -(p.gather(-1, top) * logq.gather(-1, top)).sum(-1).mean()
+    assert float(same) == float(base) and st_same["loss0"] == st0["loss0"]
+    torch.testing.assert_close(whole, 1.5 * base)
+    assert st_whole["loss0"] == pytest.approx(st0["loss0"])
+    torch.testing.assert_close(one, want)
+    with pytest.raises(ValueError, match="weight -1.0 must be >= 0"):
+        ttt_loss(head, embed, ids, aux, tl, am, mask, steps=1, topk=3, topk_weight=-1.0)
+    with pytest.raises(ValueError, match="k 0 >= 1"):
+        ttt_loss(head, embed, ids, aux, tl, am, mask, steps=1, topk=0, topk_weight=1.0)
+
+
+def test_train_draft_cli_topk_loss(setup, tmp_path):
+    """`--topk-weight W --topk-loss K` trains with HASS's term (the log's recipe says so, and
+    the run moves the head away from the same run without it); a negative weight is refused
+    before the target loads."""
+    import json
+    run = cli_trainer(setup, tmp_path)
+    log = tmp_path / "log.json"
+    _, plain = run(tmp_path / "a", "--draft-vocab", "64", "--lr", "3e-3")
+    _, hass = run(tmp_path / "b", "--draft-vocab", "64", "--lr", "3e-3", "--topk-weight", "1",
+                  "--topk-loss", "4", "--log", str(log))
+    assert "+ 1.0 x the same over the target's top 4 (HASS)" in \
+        json.loads(log.read_text())["recipe"]["loss"]
+    assert not torch.equal(plain["fc.weight"], hass["fc.weight"])
+    with pytest.raises(SystemExit, match="--topk-weight -1.0 must be >= 0"):
+        run(tmp_path / "c", "--topk-weight", "-1")
+
+
 @pytest.mark.parametrize("stores", [1, 2])
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
 def test_train_draft_cli_on_gen_data(setup, tmp_path, algorithm, stores):
