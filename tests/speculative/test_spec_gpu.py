@@ -119,6 +119,29 @@ def test_gpu_reduced_vocabulary_head_stays_lossless(tmp_path, tiny_dir, shape, g
     assert eng.allocator.is_full()
 
 
+def _predictable_plain(model_dir, alg, params) -> list[list[int]]:
+    """Plain greedy tokens of PROMPTS on CUDA; for EAGLE the near-bigram target its draft
+    predicts (`make_predictable`; EAGLE-3's head takes captured layers, left random)."""
+    from helpers import make_predictable
+    eng = tiny_engine(model_dir, device="cuda")
+    if alg == "eagle":
+        make_predictable(eng)
+    return [o.token_ids for o in eng.generate(PROMPTS, params)]
+
+
+def _run_predictable(eng, alg, params) -> list:
+    """PROMPTS through `eng` step by step (made predictable as `_predictable_plain`), the
+    books checked after every step; -> the requests."""
+    from helpers import make_predictable
+    if alg == "eagle":
+        make_predictable(eng)
+    reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+    while eng.has_unfinished():
+        eng.step()
+        eng.check_memory()
+    return reqs
+
+
 @pytest.mark.parametrize("S,K,N", [(3, 1, 4), (3, 2, 5), (5, 1, 6)])
 @pytest.mark.parametrize("alg", ["eagle", "eagle3"])
 def test_gpu_spec_chains_equal_one_step_and_plain(tiny_dir, deep_dir, alg, S, K, N):
@@ -127,24 +150,15 @@ def test_gpu_spec_chains_equal_one_step_and_plain(tiny_dir, deep_dir, alg, S, K,
     lengths per request, chains of more than one replay ran, budgets run out inside chains,
     books balanced. The draft predicts a near-bigram target (`make_predictable`, EAGLE only:
     EAGLE-3's head takes captured layers), so accept lengths vary."""
-    from helpers import make_predictable
     model_dir = tiny_dir if alg == "eagle" else deep_dir
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (40, 23, 31)]
-    plain_eng = tiny_engine(model_dir, device="cuda")
-    if alg == "eagle":
-        make_predictable(plain_eng)
-    plain = [o.token_ids for o in plain_eng.generate(PROMPTS, params)]
+    plain = _predictable_plain(model_dir, alg, params)
     runs = []
     for steps in (None, 1):
         eng = tiny_engine(model_dir, device="cuda", num_scheduler_steps=steps,
                           speculative=dict(algorithm=alg, draft_model="random", num_steps=S,
                                            topk=K, num_draft_tokens=N))
-        if alg == "eagle":
-            make_predictable(eng)
-        reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
-        while eng.has_unfinished():
-            eng.step()
-            eng.check_memory()
+        reqs = _run_predictable(eng, alg, params)
         assert [r.output_ids for r in reqs] == plain
         g = eng.runner.step_graphs
         assert g is not None and g.capture and (g.chains > 0) == (steps is None)
@@ -160,25 +174,16 @@ def test_gpu_chain_verify_through_the_decode_kernel(tiny_dir, deep_dir, monkeypa
     whole-step graphs (page_size 1) or the verify graphs (page_size 4): greedy equal to plain
     in fp32 with the same accept lengths as the extend kernel's route, books balanced."""
     from eaglekv.attention import triton_backend
-    from helpers import make_predictable
     model_dir = tiny_dir if alg == "eagle" else deep_dir
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (24, 17, 20)]
-    plain_eng = tiny_engine(model_dir, device="cuda")
-    if alg == "eagle":
-        make_predictable(plain_eng)
-    plain = [o.token_ids for o in plain_eng.generate(PROMPTS, params)]
+    plain = _predictable_plain(model_dir, alg, params)
     runs = []
     for limit in (0, 64):
         monkeypatch.setattr(triton_backend, "CHAIN_VERIFY_DECODE_MAX_TOKENS", limit)
         eng = tiny_engine(model_dir, device="cuda", page_size=ps, max_running_requests=4,
                           speculative=dict(algorithm=alg, draft_model="random", num_steps=5,
                                            topk=1, num_draft_tokens=6))
-        if alg == "eagle":
-            make_predictable(eng)
-        reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
-        while eng.has_unfinished():
-            eng.step()
-            eng.check_memory()
+        reqs = _run_predictable(eng, alg, params)
         assert [r.output_ids for r in reqs] == plain
         _check_graphs(eng, True)
         assert eng.allocator.is_full()
