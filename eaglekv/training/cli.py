@@ -65,6 +65,12 @@ def cmd_train(args, command_line: str | None = None) -> None:
         cmd_train_eagle3(args, stored_seqs(args), command_line,
                          lambda msg: print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True))
         return
+    only3 = [flag for flag, given in (("--intermediate-size", args.intermediate_size is not None),
+                                      ("--aux-layers", args.aux_layers is not None),
+                                      ("--topk-weight", args.topk_weight != 0.0)) if given]
+    if only3:
+        raise SystemExit(f"{', '.join(only3)}: EAGLE-3 training only (--algorithm eagle3); the "
+                         f"EAGLE-1/2 trainer would ignore them")
     if not (args.prompts or args.data or args.data_dir):
         raise SystemExit("train --algorithm eagle needs --prompts (to generate from), --data or "
                          "--data-dir")

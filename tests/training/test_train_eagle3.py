@@ -266,6 +266,13 @@ def test_train_draft_cli_topk_loss(setup, tmp_path):
     assert not torch.equal(plain["fc.weight"], hass["fc.weight"])
     with pytest.raises(SystemExit, match="--topk-weight -1.0 must be >= 0"):
         run(tmp_path / "c", "--topk-weight", "-1")
+    # the EAGLE-3 trainer's own options are refused for EAGLE-1/2, not ignored
+    from eaglekv.training.cli import main
+    with pytest.raises(SystemExit, match="--intermediate-size, --topk-weight: EAGLE-3 training "
+                                         "only"):
+        main(["train", "--algorithm", "eagle", "--model", str(setup[0]), "--data-dir",
+              str(tmp_path / "sg"), "--out", str(tmp_path / "d"), "--intermediate-size", "64",
+              "--topk-weight", "1"])
 
 
 @pytest.mark.parametrize("stores", [1, 2])
