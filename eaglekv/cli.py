@@ -232,7 +232,8 @@ def _eval_draft_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--batch", type=int, default=1, help="requests in flight")
     e.add_argument("--shapes", default="S3K1N4,S5K1N6,tree:S4K2N8", help="draft shapes, each fixed: "
-                   "S<num_steps>K<topk>N<num_draft_tokens>, 'tree:' before a topk > 1")
+                   "S<num_steps>K<topk>N<num_draft_tokens>, 'tree:' before a topk > 1; "
+                   "'adaptive': the engine's default choice among the device's candidates")
     e.add_argument("--temperatures", default="0,0.7", help="0: greedy, checked "
                    "token for token against plain decoding")
     e.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
@@ -411,9 +412,9 @@ def cmd_eval_draft(args) -> None:
     shape = [SPEC_FLAGS[d] for d in ("num_steps", "topk", "num_draft_tokens", "adaptive")
              if getattr(args, d) is not None]
     if shape:
-        raise ConfigError(f"eval-draft runs each shape of --shapes with adaptive off, so "
-                          f"{', '.join(shape)} would go unused; list the shapes in --shapes, "
-                          f"e.g. S3K1N4,tree:S4K2N8")
+        raise ConfigError(f"eval-draft runs each item of --shapes (fixed shapes, or "
+                          f"'adaptive'), so {', '.join(shape)} would go unused; list them in "
+                          f"--shapes, e.g. S3K1N4,tree:S4K2N8,adaptive")
     if args.batch < 1:
         raise ConfigError(f"--batch={args.batch} must be >= 1 (requests in flight)")
     from eaglekv.training.eval_draft import main as eval_main

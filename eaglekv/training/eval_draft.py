@@ -11,6 +11,10 @@ engine, in this process. The figures come from the requests' own SpecStats, summ
     tokens/s        = output tokens / wall seconds of Engine.generate over all the prompts
                       (prefill included, `batch` requests in flight), speculative and plain
 
+`adaptive` in the shapes runs the engine's default instead (adaptive over the device's
+candidate shapes, plain decoding among its choices): its figures count its speculative steps,
+its tokens/s the whole run, and its row lists the engine steps per choice.
+
 At temperature 0 every speculative output must equal the plain one token for token; each one
 that does not is counted and listed. At T > 0 request i samples with seed `seed + i` in both
 engines (the outputs differ: speculative sampling draws differently, from the same law).
@@ -39,16 +43,25 @@ from eaglekv.errors import ConfigError
 SHAPE_RE = re.compile(r"(?:(chain|tree):)?S(\d+)K(\d+)N(\d+)", re.IGNORECASE)
 
 
-def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+ADAPTIVE = "adaptive"
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int] | str]:
     """"S3K1N4,tree:S4K2N8" -> [(3, 1, 4), (4, 2, 8)]: (num_steps, topk, num_draft_tokens);
-    the optional "chain:" / "tree:" must agree with topk (1: a chain)."""
+    the optional "chain:" / "tree:" must agree with topk (1: a chain). "adaptive": the engine's
+    default, choosing among the device's candidate shapes and plain decoding each step."""
     shapes = []
     for item in text.split(","):
+        if item.strip().lower() == ADAPTIVE:
+            if ADAPTIVE in shapes:
+                raise ConfigError(f"--shapes {text!r} names adaptive twice")
+            shapes.append(ADAPTIVE)
+            continue
         m = SHAPE_RE.fullmatch(item.strip())
         if m is None:
             raise ConfigError(f"--shapes item {item!r}: write S<num_steps>K<topk>N<num draft "
                               f"tokens>, optionally after 'chain:' or 'tree:', e.g. S3K1N4 or "
-                              f"tree:S4K2N8")
+                              f"tree:S4K2N8, or adaptive")
         label, shape = m.group(1), tuple(int(v) for v in m.group(2, 3, 4))
         if label and (label.lower() == "tree") != (shape[1] > 1):
             raise ConfigError(f"--shapes item {item!r}: a {label} needs topk "
@@ -147,14 +160,20 @@ def greedy_mismatches(spec: list[Output], plain: list[Output]) -> list[dict]:
 
 
 def shape_name(spec: SpecConfig) -> str:
+    if spec.adaptive:
+        return ADAPTIVE
     kind = "chain" if spec.topk == 1 else "tree"
     return f"{kind}_S{spec.num_steps}K{spec.topk}N{spec.num_draft_tokens}"
 
 
 def run_figures(spec: SpecConfig, temperature: float, run: Run, plain: Run,
-                kinds: list[str]) -> dict:
-    """One shape at one temperature, against the plain run of the same prompts and params."""
+                kinds: list[str], device_type: str = "cpu",
+                choices: dict[str, int] | None = None) -> dict:
+    """One shape at one temperature, against the plain run of the same prompts and params.
+    Adaptive: its speculative steps' figures (rates up to its deepest candidate), `choices`
+    (engine steps per choice, plain ones included), and tokens/s of the whole run."""
     st = SpecStats.total(o.spec for o in run.outputs)
+    depth = max(S for S, _, _ in spec.candidate_shapes(device_type))
     by_kind = {k: SpecStats.total(o.spec for o, ok in zip(run.outputs, kinds) if ok == k)
                for k in sorted(set(kinds))}
     bad = greedy_mismatches(run.outputs, plain.outputs) if temperature == 0 else None
@@ -163,12 +182,20 @@ def run_figures(spec: SpecConfig, temperature: float, run: Run, plain: Run,
             "accept_length_mean": st.accept_length_mean, "verify_steps": st.verify_steps,
             "draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
             "accept_histogram": dict(sorted(st.accept_histogram.items())),
-            "position_rates": st.position_rates(spec.num_steps),
+            "position_rates": st.position_rates(depth),
+            **({"choices": dict(sorted((choices or {}).items()))} if spec.adaptive else {}),
             "accept_length_by_kind": {k: s.accept_length_mean for k, s in by_kind.items()},
             "tokens": run.tokens, "seconds": run.seconds, "tokens_per_s": run.tokens_per_s,
             "plain_tokens_per_s": plain.tokens_per_s,
             "speedup": run.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else None,
             "greedy_mismatches": None if bad is None else len(bad), "mismatched": bad}
+
+
+def engine_choices(engine: Engine) -> dict[str, int]:
+    """Engine steps per adaptive choice so far ("plain", "S3K1N4", ...; {} for a fixed
+    shape): the worker counts them engine-wide, not per request."""
+    st = getattr(engine.runner, "stats", None)
+    return dict(getattr(st, "choices", None) or {})
 
 
 def parse_also(items: list[str] | None, algorithm: str) -> list[tuple[str, str]]:
@@ -215,8 +242,9 @@ def evaluate(base: EngineConfig, algorithm: str, draft: str, prompts: list[dict]
         raise ConfigError("evaluate's base config must be plain; the shapes set speculation")
     if algorithm == "none":
         raise ConfigError("--spec none has no draft to evaluate; give eagle or eagle3")
-    specs = [SpecConfig(alg, d, S, K, N, adaptive=False)
-             for alg, d in [(algorithm, draft), *also] for S, K, N in shapes]
+    specs = [SpecConfig(alg, d, adaptive=True) if sh == ADAPTIVE else
+             SpecConfig(alg, d, *sh, adaptive=False)
+             for alg, d in [(algorithm, draft), *also] for sh in shapes]
     params = {T: [SamplingParams(max_new_tokens=max_new_tokens, temperature=T, seed=seed + i)
                   for i in range(len(prompts))] for T in temperatures}
     kinds = [p["kind"] for p in prompts]
@@ -235,9 +263,14 @@ def evaluate(base: EngineConfig, algorithm: str, draft: str, prompts: list[dict]
         engine = make_engine(dataclasses.replace(base, speculative=spec))
         engine.generate(ids[:1], warm)
         for T in temperatures:
+            before = engine_choices(engine)
+            run = run_prompts(engine, ids, params[T])
+            after = engine_choices(engine)
             runs.append({"algorithm": spec.algorithm, "draft": spec.draft_model,
-                         **run_figures(spec, T, run_prompts(engine, ids, params[T]), plain[T],
-                                       kinds)})
+                         **run_figures(spec, T, run, plain[T], kinds,
+                                       torch.device(base.device).type,
+                                       {c: n - before.get(c, 0) for c, n in after.items()
+                                        if n > before.get(c, 0)})})
             log(row(runs[-1], label=bool(also)))
         del engine
     dev = torch.device(base.device)
