@@ -208,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--floor", default=None, metavar="GRAPH_FLOOR_PY", help="--device cuda: "
                    "run the floor script (../shared/tools/graph_floor.py) in this process "
                    "after the modes, into the JSON and the plot")
+    b.add_argument("--prompts", default=None, help="--table: a JSON list of prompts "
+                   "(eval-draft's format, e.g. bench/data/heldout_prompts_smollm2.json), "
+                   "request i takes prompt i mod their count; default: one story prompt with "
+                   "a numbered suffix per request")
     b.add_argument("--checks-replay", action="store_true", help="--device cuda: the "
                    "decode and verify graphs captured checked and unchecked, replayed in "
                    "alternation (what the index checks cost a step, device side)")

@@ -64,12 +64,17 @@ def time_eaglekv(engine: Engine, ids: list[int], n: int, device: str) -> tuple[f
 
 
 def spec_summary(engine: Engine) -> dict:
-    """Accept length and the per-verify-step split of the speculative engine's time."""
+    """Accept length and the per-verify-step split of the speculative engine's time; its
+    shape, or for adaptive speculation (the default with the shipped heads) its candidate
+    shapes and the engine steps per choice."""
     st, w = engine.spec_stats(), engine.worker
     steps = max(st.verify_steps, 1)
+    policy = getattr(w, "policy", None)
+    shape = ({"adaptive": True, "shapes": [s.label for s in policy.shapes],
+              "choices": dict(sorted((st.choices or {}).items()))} if policy is not None else
+             {"num_steps": w.S, "topk": w.K, "num_draft_tokens": w.N})
     return {"algorithm": engine.config.speculative.algorithm,
-            "draft_model": engine.config.speculative.draft_model,
-            "num_steps": w.S, "topk": w.K, "num_draft_tokens": w.N,
+            "draft_model": engine.config.speculative.draft_model, **shape,
             "accept_length_mean": st.accept_length_mean,
             "accept_histogram": dict(sorted(st.accept_histogram.items())),
             "ms_per_verify_step": {k: 1e3 * v / steps for k, v in w.timings.items()}}

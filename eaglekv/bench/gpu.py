@@ -337,8 +337,14 @@ def scheduler_steps(mode: str) -> int | None:
     return 1 if "1step" in parts else 64 if "k64" in parts else None
 
 
-def prompts(engine: Engine, B: int) -> list[list[int]]:
-    """B prompts that differ in their last tokens (token ids for a model without a tokenizer)."""
+def prompts(engine: Engine, B: int, source: str | None = None) -> list[list[int]]:
+    """B prompts that differ in their last tokens (token ids for a model without a tokenizer);
+    `source` (`--prompts`, eval-draft's format, e.g. the held-out prompts): its prompts in
+    order, cycled to B."""
+    if source is not None:
+        from eaglekv.training.eval_draft import load_prompts, prompt_ids
+        ids = prompt_ids(engine, load_prompts(source))
+        return [ids[i % len(ids)] for i in range(B)]
     if engine.tokenizer is None:
         return [[1 + (7 * i + j) % 200 for j in range(12)] for i in range(B)]
     base = engine.encode(PROMPT)
@@ -615,7 +621,8 @@ def run_modes(args, modes: list[str], batches: list[int]) -> dict:
     running every mode at every batch size in turn; then the per-step profiles."""
     engines = {m: make_engine(args, m, max(batches)) for m in modes}
     waves = getattr(args, "waves", 1)      # > 1: B requests in flight, B * waves in all
-    ps = {B: prompts(next(iter(engines.values())), B * waves) for B in batches}
+    source = getattr(args, "prompts", None)
+    ps = {B: prompts(next(iter(engines.values())), B * waves, source) for B in batches}
     conc = {B: B if waves > 1 else None for B in batches}
     for m, eng in engines.items():
         # the whole length once: every kernel specialisation compiled (adaptive: costs
@@ -1182,12 +1189,16 @@ def main(args) -> None:
     unknown = [m for m in modes if split_mode(m)[0] not in MODES]
     if unknown:
         raise ConfigError(f"bench: unknown mode(s) {unknown}; known: {', '.join(MODES)}")
+    if getattr(args, "prompts", None) is not None:      # a bad file fails before any engine
+        from eaglekv.training.eval_draft import load_prompts
+        load_prompts(args.prompts)
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda")
               else "cpu", "torch": torch.__version__,
               "model": args.model, "model_short": os.path.basename(str(args.model)),
               "dtype": args.dtype, "new_tokens": args.new_tokens, "repeats": args.repeats,
               "waves": getattr(args, "waves", 1),
+              "prompts_file": getattr(args, "prompts", None),
               "command": args.command_line,
               # the switches that change what runs (e.g. EAGLEKV_GEMV): a figure is read
               # with them

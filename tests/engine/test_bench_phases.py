@@ -530,3 +530,45 @@ def test_an_unknown_mode_is_refused_before_anything_loads():
     with pytest.raises(ConfigError, match=r"unknown mode\(s\) \['eagle3_chain_S4K1N5@onednn', "
                                           r"'nope'\]; known: plain, "):
         gpu.main(args)
+
+
+def test_bench_prompts_from_a_file(tiny_dir, tmp_path):
+    """`eaglekv bench --table --prompts FILE`: request i of a batch takes the file's prompt
+    i mod their count (eval-draft's format); a missing or malformed file is a ConfigError
+    before anything loads."""
+    import json
+    from eaglekv.bench import gpu
+    from eaglekv.errors import ConfigError
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps([{"ids": [5, 6, 7], "kind": "chat"}, {"ids": [9, 9]},
+                             {"ids": [11], "kind": "code"}]))
+    eng = tiny_engine(tiny_dir)
+    assert gpu.prompts(eng, 5, str(f)) == [[5, 6, 7], [9, 9], [11], [5, 6, 7], [9, 9]]
+    assert gpu.prompts(eng, 2) != gpu.prompts(eng, 2, str(f))
+    for bad in (tmp_path / "none.json", tmp_path / "bad.json"):
+        if bad.name == "bad.json":
+            bad.write_text(json.dumps([{"ids": []}]))
+        args = SimpleNamespace(batches="1", modes="plain", prompts=str(bad))
+        with pytest.raises(ConfigError, match="--prompts"):
+            gpu.main(args)
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_cpu_bench_with_speculation(adaptive):
+    """`eaglekv bench --spec ...` (the CPU bench, one request): plain and speculative side by
+    side, greedy identical, the speculative summary naming its shape, or, for adaptive (the
+    default with a shipped head; it raised AttributeError here before 2026-12-06), its
+    candidates and steps per choice."""
+    from eaglekv.bench.e2e import run_bench
+    from eaglekv.config import SpecConfig
+    sc = (SpecConfig("eagle", "random", adaptive=True) if adaptive else
+          SpecConfig("eagle", "random", 3, 1, 4))
+    res = run_bench("default", new_tokens=6, repeats=1, with_hf=False, spec=sc)  # a tokenizer
+    sp = res["speculative"]
+    assert sp["greedy_tokens_identical_to_plain"] is True
+    assert res["tokens_per_s"]["eaglekv_spec"] > 0 and res["speedup_spec_vs_plain"] > 0
+    if adaptive:
+        assert sp["adaptive"] is True and sp["shapes"] == ["S1K1N2", "S3K1N4", "S5K1N6"]
+        assert sum(sp["choices"].values()) > 0
+    else:
+        assert (sp["num_steps"], sp["topk"], sp["num_draft_tokens"]) == (3, 1, 4)
