@@ -294,9 +294,13 @@ def row(r: dict, label: bool = False) -> str:
     kinds = " ".join(f"{k} {v:.2f}" for k, v in r["accept_length_by_kind"].items())
     bad = "-" if r["greedy_mismatches"] is None else str(r["greedy_mismatches"])
     speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+    steps = ""
+    if r.get("choices"):      # adaptive: engine steps per choice, most first
+        steps = "  steps " + " ".join(f"{c} {n}" for c, n in sorted(
+            r["choices"].items(), key=lambda cn: -cn[1]))
     return (f"{head}{r['shape']:<14} {r['temperature']:>4g} {r['accept_length_mean']:>6.2f}  "
             f"{rates:<30} {r['tokens_per_s']:>8.1f} {r['plain_tokens_per_s']:>8.1f} "
-            f"{speedup:>7} {bad:>4}  {kinds}")
+            f"{speedup:>7} {bad:>4}  {kinds}{steps}")
 
 
 def table(result: dict) -> str:

@@ -140,7 +140,11 @@ def test_adaptive_is_measured_like_a_shape(tiny_dir):
     assert set(adaptive["choices"]) <= {"plain", "S1K1N2", "S3K1N4", "S5K1N6"}
     assert len(adaptive["position_rates"]) == 5
     assert adaptive["greedy_mismatches"] == 0 and adaptive["tokens_per_s"] > 0
-    assert "adaptive" in eval_draft.table({**res, "model": "m"})
+    text = eval_draft.table({**res, "model": "m"})
+    line = next(x for x in text.splitlines() if x.startswith("adaptive"))
+    top = max(adaptive["choices"], key=adaptive["choices"].get)
+    assert f"  steps {top} {adaptive['choices'][top]}" in line
+    assert "steps" not in next(x for x in text.splitlines() if x.startswith("chain_S3K1N4"))
 
 
 def test_injected_mismatch_is_reported(tiny_dir, monkeypatch):
