@@ -202,11 +202,14 @@ class TritonAttentionBackend(AttentionBackend):
 
 CHECK_ONCE = True     # False inside `layer_checks()` only
 # A chain's verify through the decode kernel (`verify_metadata`) for verifies of at most this
-# many tokens; 0: off, every verify in the extend kernel under its tree mask. By the H100
-# profile of S5 at batch 1 (2026-12-06) a verify layer's attention is the extend kernel 7.1 us
-# + its merge 1.5 us, where the decode's is 3.7 + 1.3 us; off until measured end to end (the
-# bench's `_vdec` modes, EAGLEKV_CHAIN_VERIFY_DECODE=64).
-CHAIN_VERIFY_DECODE_MAX_TOKENS = int(os.environ.get("EAGLEKV_CHAIN_VERIFY_DECODE", "0"))
+# many tokens (b * n: S5 and S7 chains up to batch 8); 0: off, every verify in the extend kernel
+# under its tree mask. A verify layer's attention was the extend kernel 7.1 us + its merge
+# 1.5 us where the decode's is 3.7 + 1.3 us (H100 profile, S5, batch 1); end to end on an H100
+# (2026-12-06, bench/results/gpu_bench_h100_20261206b_vdec.json, one process) it took EAGLE-3
+# S5 from 1.64x to 1.77x plain at batch 1 and S7 from 1.86x to 1.96x (batch 4: 1.53x -> 1.67x,
+# 1.91x -> 2.06x). On by default since then; EAGLEKV_CHAIN_VERIFY_DECODE=0 (or the bench's
+# `_novdec` modes) restores the extend kernel.
+CHAIN_VERIFY_DECODE_MAX_TOKENS = int(os.environ.get("EAGLEKV_CHAIN_VERIFY_DECODE", "64"))
 
 
 @contextmanager

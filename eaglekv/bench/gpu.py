@@ -207,7 +207,8 @@ MODES.update({f"{m}_{v}": MODES[m]
                                   ("adaptive", ("dot", "nodot")))
               for v in variants})
 # a chain's verify through the decode kernel (triton_backend.CHAIN_VERIFY_DECODE_MAX_TOKENS 64:
-# verifies of <= 64 tokens, e.g. S5/S7 at batch 1-4); `_novdec`: the extend kernel, as shipped
+# verifies of <= 64 tokens, e.g. S5/S7 at batch 1-8: the default since 2026-12-06); `_novdec`:
+# the extend kernel for every verify, as shipped before
 MODES.update({f"{m}_{v}": MODES[m]
               for m in ("eagle_chain_S5K1N6", "eagle3_chain_S5K1N6", "eagle3_chain_S7K1N8",
                         "adaptive", "adaptive_eagle3_gpu_s7")

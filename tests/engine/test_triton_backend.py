@@ -173,3 +173,37 @@ def test_a_corrupt_entry_is_refused_once_a_forward(tiny_dir, reference, where):
     assert engine.allocator.is_full()
     assert [o.token_ids for o in engine.generate(PROMPTS, SP)] == reference
     engine.check_memory()
+
+
+def test_chain_verify_route_default_and_limit():
+    """A chain's verify goes to the decode kernel by default (64 tokens a verify: S5 / S7
+    chains up to batch 8, measured faster on an H100 on 2026-12-06) and to the extend kernel
+    above the limit or for a tree; EAGLEKV_CHAIN_VERIFY_DECODE=0 turns the route off."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from eaglekv.attention import triton_backend as tb
+    code = ("from eaglekv.attention import triton_backend as tb; "
+            "print(tb.CHAIN_VERIFY_DECODE_MAX_TOKENS)")
+    for env, want in ((None, "64"), ("0", "0"), ("128", "128")):
+        e = {k: v for k, v in os.environ.items() if k != "EAGLEKV_CHAIN_VERIFY_DECODE"}
+        if env is not None:
+            e["EAGLEKV_CHAIN_VERIFY_DECODE"] = env
+        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True,
+                             text=True, check=True).stdout.split()[-1]
+        assert out == want, (env, out)
+    be = object.__new__(tb.TritonAttentionBackend)
+    be.width, be.kv_pool, be.sm_count = 256, SimpleNamespace(kv_heads=3), 8
+
+    def route(b, n, chain=True):
+        i = torch.zeros(b, dtype=torch.int64)
+        mask = torch.ones(b, n, n, dtype=torch.bool).tril()
+        return be.verify_metadata(i + 7, i + 10, i + n, torch.arange(b) * n, mask, n,
+                                  torch.arange(b * n), chain=chain)
+    assert tb.CHAIN_VERIFY_DECODE_MAX_TOKENS == 64
+    m = route(8, 8)                                  # 64 tokens: b * n decode queries
+    assert m.decode and m.kv_len.tolist() == [10 + i + 1 for i in range(8)] * 8
+    assert m.kv_start.tolist() == [7] * 64 and m.kv_start.is_contiguous()
+    assert not route(16, 6).decode                   # 96 tokens: the extend kernel
+    assert not route(2, 5, chain=False).decode      # a tree: always the extend kernel
