@@ -41,6 +41,7 @@ after every plain stretch, and the policy then went plain more often.
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from dataclasses import dataclass, field
@@ -59,6 +60,19 @@ from eaglekv.speculative.eagle_worker import EagleWorker, spec_chain_steps
 # measure a one-token step, and leave the chain cell unknown: on an H100 at batch 64 each run
 # then began with a 17.5 ms exploring plain step, 2026-12-06)
 EXPLORE_CHAIN = 8
+
+# Where a shape's steps chain (CUDA graphs), its cost cell should read what a chain of it costs
+# a step, since a held choice runs as one: a chain of k steps pays one launch and sync, ~0.6 ms
+# at batch 1 on an H100. Two kinds of steps paid a whole sync for one or two steps and were
+# averaged in: the exploring steps that seed a cell (single steps) and the chains a request's
+# budget end cuts short. On an H100 at batch 1 (2026-12-06, the step traces of
+# bench/results/gpu_bench_h100_20261206b_heldout_default.json) the S3 cell read 1.27 ms a step
+# where S3's chains of 8 took 1.11 ms a step (S5's cell 1.57 against 1.46), so on a held-out
+# prompt where the fixed S3 ran 1.30x plain the policy chose S5 and ran 1.10x. With
+# CHAINED_COSTS an exploring step of a chaining shape runs as a whole chain, and a chain cut
+# short is not observed once the cell is known. Off by default until measured on a GPU (the
+# bench's `_ccost` modes); EAGLEKV_ADAPTIVE_CHAINED_COSTS=1 turns it on.
+CHAINED_COSTS = os.environ.get("EAGLEKV_ADAPTIVE_CHAINED_COSTS", "0") == "1"
 
 
 def _is_subsequence(xs: list, ys) -> bool:
@@ -86,6 +100,7 @@ class AdaptiveWorker:
         step decodes (under decode graphs)."""
         self.res, self.drafter, self.spec = res, drafter, spec
         self.decode_steps = decode_steps
+        self.chained_costs = CHAINED_COSTS       # read when built (the bench's `_ccost` modes)
         shapes = [Shape(*s) for s in spec.candidate_shapes(res.device.type)]
         # each shape's greedy whole-step replays may chain a held choice's steps (`decode`)
         self.workers = {s: EagleWorker(res, drafter, spec.fixed(s.S, s.K, s.N),
@@ -136,7 +151,9 @@ class AdaptiveWorker:
                 "draft": [self.spec.algorithm, type(self.drafter).__name__,
                           list(getattr(getattr(self.drafter, "model", None), "kv_shape",
                                        lambda: ())())],
-                "graphs": res.cuda_graph_max_bs, "page_size": res.page_size}
+                "graphs": res.cuda_graph_max_bs, "page_size": res.page_size,
+                # cells measured the other way are not mixed in
+                **({"costs": "chained"} if self.chained_costs else {})}
 
     # ---- stats (the sum over the shapes' workers, and the choices) ---------------------------------
     def reset_stats(self) -> None:
@@ -232,8 +249,10 @@ class AdaptiveWorker:
         self._pending = []
         if not choice.plain:           # the whole batch speculates: the worker's result as is;
             # a held choice's next steps (the policy's) run now, chained before one sync
-            res = self._speculate(reqs, choice.shape, 1 + self.policy.held_steps(),
-                                  overlap=True)
+            steps = 1 + self.policy.held_steps()
+            if self.chained_costs and choice.explore:   # measured as it runs when chosen: a chain
+                steps = max(steps, self.workers[choice.shape].chain_steps)
+            res = self._speculate(reqs, choice.shape, steps, overlap=True)
             self.policy.last = choice      # this step's (the next one's may be made already)
             return res
         out = StepResult(tokens=[None] * B, logprobs=[None] * B, failed=[False] * B,
@@ -281,6 +300,7 @@ class AdaptiveWorker:
         hid = []            # non-empty once the hook ran (the steps the replay ran)
         if overlap:
             worker.before_sync = lambda k: (hid.append(k), self._while_device(sub, max_chain))
+        chains = self.chained_costs and worker._step_graph_fits(sub)   # (a greedy replay)
         try:
             res = worker.decode(sub, max_chain)
         finally:
@@ -290,7 +310,10 @@ class AdaptiveWorker:
         # a chain's requests may keep different numbers of its steps (one whose budget runs
         # out inside the chain stops there): the chain ran as many as the longest kept
         k = max(map(len, steps)) if steps else 1
-        self._pending.append((shape.label, len(sub), time.perf_counter() - t, k))
+        part = (shape.label, len(sub), time.perf_counter() - t, k)
+        if chains and k < min(worker.chain_steps, max_chain):
+            part += (True,)     # cut short (a budget's end): one sync for fewer steps
+        self._pending.append(part)
         if steps and not hid:   # (the hook consumed the held steps before choosing ahead)
             self.policy.consume_held(max_chain - 1)
 
@@ -385,7 +408,9 @@ class AdaptiveWorker:
             return
         timed = sum(p[2] for p in parts)
         scale = 1.0 if wall is None or timed <= 0 else max(1.0, wall / timed)
-        for label, n, sec, k in parts:
+        for label, n, sec, k, *short in parts:
+            if short and self.policy.costs.known(label, n):      # (chained_costs)
+                continue
             self.policy.costs.observe(label, n, sec * scale / k)
 
     # ---- plain steps and catching up ---------------------------------------------------------------

@@ -1068,6 +1068,58 @@ def test_a_chain_whose_requests_keep_different_step_counts_is_observed_per_step(
     assert seen == [("held", 2), [3, 2, None], [1, None, None], [2, None, None]]
 
 
+@pytest.mark.parametrize("on", [False, True])
+def test_chained_costs_measure_chains_as_they_run(tiny_dir, monkeypatch, on):
+    """`adaptive_worker.CHAINED_COSTS` (read when the worker is built): where a shape's steps
+    chain, a chain cut short (a budget's end: one sync for fewer steps) is not observed once
+    the shape's cell is known, a chain that ran its length is, and a whole-batch exploring
+    step runs as a whole chain (a cell seeded by single steps read 1.27 ms a step of S3 where
+    its chains took 1.11 on an H100, 2026-12-06). Off (the default): every part observed, an
+    exploring step a single one. A batch that cannot replay (sampling) is observed as before."""
+    from eaglekv.core import StepResult
+    from eaglekv.speculative import adaptive_worker as aw
+    monkeypatch.setattr(aw, "CHAINED_COSTS", on)
+    eng = adaptive_engine(tiny_dir, costs={PLAIN: 1.0, S3.label: 1.3}, max_running_requests=3)
+    w = eng.runner
+    assert w.chained_costs == on and ("costs" in w.identity()) == on
+    monkeypatch.setattr(aw, "CHAINED_COSTS", not on)          # read when built, not now
+    worker = w.workers[S3]
+    worker.chain_steps = 4
+    replays = [True]
+    worker._step_graph_fits = lambda sub: replays[0]
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=64)) for p in PROMPTS[:2]]
+    for i, r in enumerate(reqs):
+        r.row = i + 1
+    observed, asked = [], []
+    w.policy.costs.observe = lambda label, n, sec: observed.append(label)
+    w.policy.observe_spec = lambda sub, shape, acc: None
+    w.policy.consume_held = lambda n: None
+
+    def step(lists, explore=False):
+        res = StepResult(tokens=[[1]] * 2, logprobs=[None] * 2, failed=[False] * 2,
+                         accepted=lists, kv_advance=[0] * 2, last_slots=[0] * 2)
+        worker.decode = lambda sub, max_chain=None: (asked.append(max_chain), res)[1]
+        observed.clear()
+        if explore:
+            w.policy.choose = lambda rs, chain=False: Choice(S3, [0, 1], [], explore=True)
+            w._ahead = None
+            w.decode(reqs)
+        else:
+            w._pending = []
+            w._speculate(reqs, S3, 4)
+        w._charge(None)
+        return list(observed)
+
+    assert step([[1, 2, 0, 3], [2, 2, 1, 0]]) == [S3.label]      # the whole chain
+    assert step([[1], [2]]) == ([] if on else [S3.label])         # cut short, cell known
+    replays[0] = False                                             # sampling: no replay
+    assert step([1, 2]) == [S3.label]
+    replays[0] = True
+    asked.clear()
+    step([[1, 2, 0, 3], [2, 2, 1, 0]], explore=True)
+    assert asked == [4 if on else 1]                               # exploring: a chain
+
+
 def test_the_policy_works_while_the_replay_runs_one_step_late(tiny_dir):
     """A whole-batch speculative step that runs as a replay calls the worker's `before_sync`
     between launching and syncing: there the previous step's acceptance is observed and the
