@@ -98,6 +98,11 @@ class Text:
             self._advance()
 
 
+# text like the held-out prompts' on an H100 (2026-12-06): fixed S3 / S5 / S7 accept 2.5 / 2.8 /
+# 3.0 tokens a step here (2.77 / 3.05 / 3.12 measured on the first held-out prompt)
+HELDOUT_LIKE = dict(q_easy=0.9, q_hard=0.35, easy_run=12, hard_run=6, hard_start=4)
+
+
 class _Req:
     def __init__(self, rid: int):
         self.rid = self.row = rid
@@ -119,23 +124,39 @@ def run_fixed(shape: Shape, seed: int, tokens: int, mech: Mechanics,
 
 
 def run_adaptive(policy: AdaptivePolicy, seed: int, tokens: int, mech: Mechanics,
-                 rid: int, text_options: dict | None = None) -> tuple[float, dict]:
-    """ms for one request under the policy, and its choices' counts."""
+                 rid: int, text_options: dict | None = None, learn: bool = False,
+                 chained_costs: bool = False) -> tuple[float, dict]:
+    """ms for one request under the policy, and its choices' counts. `learn`: the policy's
+    cost table is not frozen and observes each step as AdaptiveWorker does (a plain chain per
+    token, the draft's catch-up per lagging token, a speculative chain per step, each with its
+    launch and sync); `chained_costs`: AdaptiveWorker.chained_costs (an exploring step runs as
+    a whole chain; a chain cut short is not observed once its cell is known)."""
     text = Text(np.random.default_rng(seed), **(text_options or {}))
     made, ms, lag = 0, 0.0, 0
     r, counts = _Req(rid), {}
+    costs = policy.costs
     while made < tokens:
         c = policy.choose([r], chain=True)
         counts[c.label] = counts.get(c.label, 0) + 1
         if c.shape is None:
             k = min(policy.plain_horizon([r], mech.decode_steps), tokens - made)
+            if c.explore:            # measuring the chain cell: a chain (EXPLORE_CHAIN)
+                k = min(max(k, 8), tokens - made)
             text.plain(k)
             policy.observe_plain([r], k)
-            made, lag, ms = made + k, lag + k, ms + k * mech.plain_token_ms + mech.sync_ms
+            step = k * mech.plain_token_ms + mech.sync_ms
+            made, lag, ms = made + k, lag + k, ms + step
+            if learn:
+                costs.observe(CHAIN if k > 1 else PLAIN, 1, 1e-3 * step / k)
             continue
         steps = min(1 + policy.held_steps(), mech.chain_steps(c.shape))
+        if chained_costs and c.explore:
+            steps = mech.chain_steps(c.shape)
         if lag:
-            ms += mech.catchup_ms + lag * mech.catchup_token_ms
+            catch = mech.catchup_ms + lag * mech.catchup_token_ms
+            ms += catch
+            if learn:
+                costs.observe(CATCHUP, 1, 1e-3 * catch / lag)
         ms += mech.sync_ms
         lag = 0
         done = 0
@@ -151,17 +172,24 @@ def run_adaptive(policy: AdaptivePolicy, seed: int, tokens: int, mech: Mechanics
         policy.consume_held(done - 1)
         for a in acc:
             policy.observe_spec([r], c.shape, [a])
+        if learn and not (chained_costs and done < steps and costs.known(c.shape.label, 1)):
+            costs.observe(c.shape.label, 1, 1e-3 * (mech.sync_ms
+                                                    + done * mech.step_ms[c.shape.label]) / done)
     return ms, counts
 
 
 def compare(requests: int = 40, tokens: int = 256, mech: Mechanics | None = None,
-            policy_options: dict | None = None, text_options: dict | None = None) -> dict:
+            policy_options: dict | None = None, text_options: dict | None = None,
+            learn: bool = False, chained_costs: bool = False, warmup: int = 0) -> dict:
     """Adaptive (one policy across the requests, as an engine keeps it, with the settings
     AdaptiveWorker gives it under chains unless `policy_options` says otherwise) against
-    each fixed shape and plain chains, over the same texts: their total ms and the ratios."""
+    each fixed shape and plain chains, over the same texts: their total ms and the ratios.
+    `learn` / `chained_costs`: `run_adaptive`'s; `warmup`: requests the policy serves first,
+    not counted (an engine's earlier requests and its cost cache on disk)."""
     mech = mech or Mechanics()
     opts = {**AdaptivePolicy.CHAINED, **(policy_options or {})}   # as AdaptiveWorker sets
-    policy = AdaptivePolicy(list(SHAPES), mech.costs())             # them under chains
+    policy = AdaptivePolicy(list(SHAPES), CostTable(drop_first=True) if learn
+                            else mech.costs())                      # them under chains
     for name, value in opts.items():
         setattr(policy, name, value)
     policy.hold_spec = max(policy.hold_spec, min(mech.chain_steps(s) for s in SHAPES) - 1)
@@ -170,9 +198,12 @@ def compare(requests: int = 40, tokens: int = 256, mech: Mechanics | None = None
              for s in SHAPES}
     plain = requests * (tokens * mech.plain_token_ms + -(-tokens // mech.decode_steps)
                         * mech.sync_ms)
+    for seed in range(requests, requests + warmup):        # other texts of the same kind
+        run_adaptive(policy, seed, tokens, mech, seed + 1, text_options, learn, chained_costs)
     total, counts = 0.0, {}
     for seed in range(requests):
-        ms, c = run_adaptive(policy, seed, tokens, mech, seed + 1, text_options)
+        ms, c = run_adaptive(policy, seed, tokens, mech, seed + 1 + requests + warmup,
+                             text_options, learn, chained_costs)
         total += ms
         for k, v in c.items():
             counts[k] = counts.get(k, 0) + v
@@ -195,7 +226,23 @@ if __name__ == "__main__":
            "settings": {"as shipped under chains": {}, "before 2026-12-06": {
                "shrink": 0.0, "alpha": 0.3, "hold_all": False, "engine_after": 0}},
            "results": {}}
-    for name, opts in out["settings"].items():
-        out["results"][name] = {t: compare(policy_options=opts, text_options=kw)
-                                for t, kw in texts.items()}
+    if "--learn" in sys.argv:
+        # the cost table learnt as AdaptiveWorker learns it (after 24 requests of warm-up, as
+        # an engine with its cost cache), with and without chained costs, at the H100's batch-1
+        # costs after the decode-kernel verify (2026-12-06 14:00: chains of 8 S3 steps 8.85 ms,
+        # of 6 S5 steps 8.73 ms, a launch and sync ~0.6 ms), 24 requests of 128 tokens
+        mech = Mechanics(step_ms={"S3K1N4": 1.03, "S5K1N6": 1.355, "S4K2N8": 1.75},
+                         sync_ms=0.6)
+        texts = {"bench-like": {}, "heldout-like": HELDOUT_LIKE, **{
+            k: texts[k] for k in ("longer-dips", "poor", "random")}}
+        out["device"] += " (after the decode-kernel verify), the cost table learnt"
+        out["settings"] = {"costs frozen at the mechanics": {}, "learnt": dict(learn=True),
+                           "learnt, chained costs": dict(learn=True, chained_costs=True)}
+        for name, opts in out["settings"].items():
+            out["results"][name] = {t: compare(24, 128, mech, text_options=kw, warmup=24,
+                                               **opts) for t, kw in texts.items()}
+    else:
+        for name, opts in out["settings"].items():
+            out["results"][name] = {t: compare(policy_options=opts, text_options=kw)
+                                    for t, kw in texts.items()}
     print(json.dumps(out, indent=1))

@@ -1349,6 +1349,25 @@ def test_batch_1_replay_with_chains_stays_with_the_best_fixed_shape(text, bar):
     assert r["adaptive_vs_plain"] >= 1.25, r
 
 
+def test_replay_with_learnt_costs_chained_costs_find_the_shorter_chain():
+    """eaglekv.testing.adaptive_sim with the cost table learnt as AdaptiveWorker learns it
+    (after 24 requests of warm-up), the H100's batch-1 costs after the decode-kernel verify,
+    text like the held-out prompts (where the fixed S3 runs ~1.1x the fixed S5): as shipped,
+    S3's cell is seeded by single exploring steps that each pay a whole launch and sync, and
+    S3 is never chosen again (as on the H100, 2026-12-06); with chained costs (exploring
+    steps as whole chains, chains cut short not observed) S3 is chosen and the replay runs
+    closer to the best fixed shape. (`python -m eaglekv.testing.adaptive_sim --learn`.)"""
+    from eaglekv.testing.adaptive_sim import HELDOUT_LIKE, Mechanics, compare
+    mech = Mechanics(step_ms={"S3K1N4": 1.03, "S5K1N6": 1.355, "S4K2N8": 1.75}, sync_ms=0.6)
+    runs = [compare(24, 128, mech, text_options=HELDOUT_LIKE, warmup=24, learn=True,
+                    chained_costs=on) for on in (False, True)]
+    assert runs[0]["fixed_ms"]["S3K1N4"] < 0.95 * runs[0]["fixed_ms"]["S5K1N6"]
+    assert "S3K1N4" not in runs[0]["choices"], runs[0]["choices"]
+    assert runs[1]["choices"].get("S3K1N4", 0) >= 40, runs[1]["choices"]
+    assert (runs[1]["adaptive_vs_best_fixed"]
+            >= runs[0]["adaptive_vs_best_fixed"] + 0.02), (runs[0], runs[1])
+
+
 def test_a_chain_cell_is_estimated_from_the_nearest_bucket():
     """A plain chain's cost at a bucket never measured is the nearest measured bucket's (the
     larger of two as near), so a batch whose last requests finish one by one does not
