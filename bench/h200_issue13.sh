@@ -12,7 +12,7 @@
 #   bench/h200_issue13.sh adaptive  # adaptive against its fixed shapes and plain
 #   bench/h200_issue13.sh dot     # the gemv's tensor-core tile (5-16 rows): tilings, then engine
 #   bench/h200_issue13.sh vdec    # a chain's verify via the decode kernel; adaptive with S7
-#   bench/h200_issue13.sh ccost   # adaptive's cost cells as chains run, held-out + bench prompts
+#   bench/h200_issue13.sh ccost   # adaptive's cost cells as chains run vs as before; with S7
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
 #                                 # (the whole suite takes ~7 min on an H100: split it, e.g.
 #                                 # tests/kernels, then tests/speculative tests/engine ...)
@@ -140,16 +140,16 @@ PY
     ;;
   ccost)
     # 2026-12-06 (fourteenth session, not yet run): adaptive's cost cells measured as chains
-    # run (adaptive_worker.CHAINED_COSTS, the `_ccost` modes) against the shipped policy: the
-    # held-out prompts (where the shipped one ran S5 at 1.10x plain beside the fixed S3's
-    # 1.30x), then the bench prompt at every batch (needs the EAGLE-3 head's weights in
-    # eaglekv/drafts/)
+    # run (adaptive_worker.CHAINED_COSTS, on by default since) against the policy as it was
+    # (the `_rawcost` modes), and with S7 among the candidates: the held-out prompts (where the
+    # old one ran S5 at 1.10x plain beside the fixed S3's 1.30x), then the bench prompt at every
+    # batch (needs the EAGLE-3 head's weights in eaglekv/drafts/)
     base="$OUT"
     mkdir -p "$base/heldout" "$base/bench"
-    OUT="$base/heldout" MODES=${MODES_HELDOUT:-plain,eagle3_chain_S3K1N4,eagle3_chain_S5K1N6,adaptive_eagle3,adaptive_eagle3_ccost} \
+    OUT="$base/heldout" MODES=${MODES_HELDOUT:-plain,eagle3_chain_S3K1N4,eagle3_chain_S5K1N6,adaptive_eagle3,adaptive_eagle3_rawcost,adaptive_eagle3_gpu_s7} \
       PROMPTS=bench/data/heldout_prompts_smollm2.json NEW_TOKENS=128 BATCHES=1,4 REPEATS=3 \
       BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} LLAMA8B=" " FLOOR=0 "$0" bench
-    OUT="$base/bench" MODES=${MODES_BENCH:-plain,eagle3_chain_S5K1N6,adaptive_eagle3,adaptive_eagle3_ccost} \
+    OUT="$base/bench" MODES=${MODES_BENCH:-plain,eagle3_chain_S5K1N6,eagle3_chain_S7K1N8,adaptive_eagle3,adaptive_eagle3_rawcost,adaptive_eagle3_gpu_s7} \
       BATCHES=1,4,16,64 REPEATS=2 BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} LLAMA8B=" " FLOOR=0 "$0" bench
     ;;
   tests)

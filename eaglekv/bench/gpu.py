@@ -214,17 +214,20 @@ MODES.update({f"{m}_{v}": MODES[m]
                         "adaptive", "adaptive_eagle3_gpu_s7")
               for v in ("vdec", "novdec")})
 
-# adaptive with its cost cells measured as chains run (adaptive_worker.CHAINED_COSTS: exploring
-# steps as whole chains, chains cut short by a budget's end not observed)
-MODES.update({f"{m}_ccost": MODES[m] for m in ("adaptive", "adaptive_eagle3",
-                                               "adaptive_eagle3_gpu_s7")})
+# adaptive with its cost cells measured as each step ran (`_rawcost`: adaptive_worker.
+# CHAINED_COSTS off, as shipped before 2026-12-06 evening) or as chains run (`_ccost`: on, the
+# default since: exploring steps as whole chains, chains cut short by a budget's end not
+# observed once a cell is known)
+MODES.update({f"{m}_{v}": MODES[m] for m in ("adaptive", "adaptive_eagle3",
+                                             "adaptive_eagle3_gpu_s7")
+              for v in ("ccost", "rawcost")})
 
 # mode suffixes: the same shape with other checks, or without chains (not "fixed shapes" of
 # the adaptive comparison: that is with the shipped settings)
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
             "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
-            "_novdec", "_ccost")
+            "_novdec", "_ccost", "_rawcost")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -246,12 +249,14 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "novdec": ("eaglekv.attention.triton_backend",
                               "CHAIN_VERIFY_DECODE_MAX_TOKENS", 0),
                    # adaptive's cost cells as chains cost (adaptive_worker.CHAINED_COSTS)
-                   "ccost": ("eaglekv.speculative.adaptive_worker", "CHAINED_COSTS", True)}
+                   "ccost": ("eaglekv.speculative.adaptive_worker", "CHAINED_COSTS", True),
+                   "rawcost": ("eaglekv.speculative.adaptive_worker", "CHAINED_COSTS", False)}
 ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees", "adaptive_eagle3_s7",
                   "adaptive_gpu_s7", "adaptive_eagle3_gpu_s7",
                   "adaptive_random_draft", "adaptive_cpu3", "adaptive_eagle3_cpu3",
                   "adaptive_cpu3_random_draft", "adaptive_ccost", "adaptive_eagle3_ccost",
-                  "adaptive_eagle3_gpu_s7_ccost")
+                  "adaptive_eagle3_gpu_s7_ccost", "adaptive_rawcost", "adaptive_eagle3_rawcost",
+                  "adaptive_eagle3_gpu_s7_rawcost")
 
 
 def split_mode(mode: str) -> tuple[str, str | None]:

@@ -70,9 +70,13 @@ EXPLORE_CHAIN = 8
 # where S3's chains of 8 took 1.11 ms a step (S5's cell 1.57 against 1.46), so on a held-out
 # prompt where the fixed S3 ran 1.30x plain the policy chose S5 and ran 1.10x. With
 # CHAINED_COSTS an exploring step of a chaining shape runs as a whole chain, and a chain cut
-# short is not observed once the cell is known. Off by default until measured on a GPU (the
-# bench's `_ccost` modes); EAGLEKV_ADAPTIVE_CHAINED_COSTS=1 turns it on.
-CHAINED_COSTS = os.environ.get("EAGLEKV_ADAPTIVE_CHAINED_COSTS", "0") == "1"
+# short is not observed once the cell is known. In the policy's replay with its costs learnt
+# (`python -m eaglekv.testing.adaptive_sim --learn`, the H100's costs after the decode-kernel
+# verify) it took held-out-like text from 0.875x to 0.958x the best fixed shape and text with
+# long hard stretches from 0.847x to 0.934x, bench-like text unchanged (0.982x / 0.981x). On
+# by default since 2026-12-06 (not yet measured on a GPU: `bench/h200_issue13.sh ccost`, the
+# bench's `_rawcost` modes turn it off); EAGLEKV_ADAPTIVE_CHAINED_COSTS=0 turns it off.
+CHAINED_COSTS = os.environ.get("EAGLEKV_ADAPTIVE_CHAINED_COSTS", "1") != "0"
 
 
 def _is_subsequence(xs: list, ys) -> bool:
@@ -100,7 +104,7 @@ class AdaptiveWorker:
         step decodes (under decode graphs)."""
         self.res, self.drafter, self.spec = res, drafter, spec
         self.decode_steps = decode_steps
-        self.chained_costs = CHAINED_COSTS       # read when built (the bench's `_ccost` modes)
+        self.chained_costs = CHAINED_COSTS       # read when built (the bench's `_rawcost` modes)
         shapes = [Shape(*s) for s in spec.candidate_shapes(res.device.type)]
         # each shape's greedy whole-step replays may chain a held choice's steps (`decode`)
         self.workers = {s: EagleWorker(res, drafter, spec.fixed(s.S, s.K, s.N),
@@ -152,8 +156,8 @@ class AdaptiveWorker:
                           list(getattr(getattr(self.drafter, "model", None), "kv_shape",
                                        lambda: ())())],
                 "graphs": res.cuda_graph_max_bs, "page_size": res.page_size,
-                # cells measured the other way are not mixed in
-                **({"costs": "chained"} if self.chained_costs else {})}
+                # cells measured the other way are not mixed in (nor a cache of before)
+                "costs": "chained" if self.chained_costs else "raw"}
 
     # ---- stats (the sum over the shapes' workers, and the choices) ---------------------------------
     def reset_stats(self) -> None:

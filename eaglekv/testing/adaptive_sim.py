@@ -14,6 +14,12 @@ the draft's catch-up over 32 plain tokens ~3 ms (~2 ms over 16).
 
     python -m eaglekv.testing.adaptive_sim   # adaptive against the fixed shapes and plain, 40
                                              # requests of 256 tokens, six kinds of text
+    python -m eaglekv.testing.adaptive_sim --learn   # the cost table learnt as the worker
+                                             # learns it, with and without chained costs
+
+A held choice is held for the longest shape's chain and its held steps are consumed at once,
+each shape cutting the chain to its own length (AdaptiveWorker; until 2026-12-06 evening the
+replay held for the shortest shape's chain).
 """
 
 from __future__ import annotations
@@ -149,7 +155,8 @@ def run_adaptive(policy: AdaptivePolicy, seed: int, tokens: int, mech: Mechanics
             if learn:
                 costs.observe(CHAIN if k > 1 else PLAIN, 1, 1e-3 * step / k)
             continue
-        steps = min(1 + policy.held_steps(), mech.chain_steps(c.shape))
+        offered = 1 + policy.held_steps()      # a held choice's steps, consumed all at once
+        steps = min(offered, mech.chain_steps(c.shape))     # (AdaptiveWorker._speculate)
         if chained_costs and c.explore:
             steps = mech.chain_steps(c.shape)
         if lag:
@@ -169,7 +176,7 @@ def run_adaptive(policy: AdaptivePolicy, seed: int, tokens: int, mech: Mechanics
             made += 1 + a
             ms += mech.step_ms[c.shape.label]
             done += 1
-        policy.consume_held(done - 1)
+        policy.consume_held(offered - 1)
         for a in acc:
             policy.observe_spec([r], c.shape, [a])
         if learn and not (chained_costs and done < steps and costs.known(c.shape.label, 1)):
@@ -192,7 +199,8 @@ def compare(requests: int = 40, tokens: int = 256, mech: Mechanics | None = None
                             else mech.costs())                      # them under chains
     for name, value in opts.items():
         setattr(policy, name, value)
-    policy.hold_spec = max(policy.hold_spec, min(mech.chain_steps(s) for s in SHAPES) - 1)
+    # as AdaptiveWorker: held for the longest chain, each shape cutting it to its own
+    policy.hold_spec = max(policy.hold_spec, max(mech.chain_steps(s) for s in SHAPES) - 1)
     fixed = {s.label: sum(run_fixed(s, seed, tokens, mech, text_options)
                           for seed in range(requests))
              for s in SHAPES}

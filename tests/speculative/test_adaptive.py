@@ -1075,13 +1075,14 @@ def test_chained_costs_measure_chains_as_they_run(tiny_dir, monkeypatch, on):
     the shape's cell is known, a chain that ran its length is, and a whole-batch exploring
     step runs as a whole chain (a cell seeded by single steps read 1.27 ms a step of S3 where
     its chains took 1.11 on an H100, 2026-12-06). Off (the default): every part observed, an
-    exploring step a single one. A batch that cannot replay (sampling) is observed as before."""
+    exploring step a single one. A batch that cannot replay (sampling) is observed as before.
+    The two keep apart cost caches (the worker's identity)."""
     from eaglekv.core import StepResult
     from eaglekv.speculative import adaptive_worker as aw
     monkeypatch.setattr(aw, "CHAINED_COSTS", on)
     eng = adaptive_engine(tiny_dir, costs={PLAIN: 1.0, S3.label: 1.3}, max_running_requests=3)
     w = eng.runner
-    assert w.chained_costs == on and ("costs" in w.identity()) == on
+    assert w.chained_costs == on and w.identity()["costs"] == ("chained" if on else "raw")
     monkeypatch.setattr(aw, "CHAINED_COSTS", not on)          # read when built, not now
     worker = w.workers[S3]
     worker.chain_steps = 4
@@ -1335,14 +1336,17 @@ def test_a_hard_first_chain_does_not_switch_a_good_request_off():
     assert picks == {"chained": "S5K1N6", "own": picks["own"]} and picks["own"] != "S5K1N6"
 
 
-@pytest.mark.parametrize("text,bar", [({}, 0.99), (dict(hard_run=10, easy_run=60), 0.98),
+@pytest.mark.parametrize("text,bar", [({}, 0.99), (dict(hard_run=10, easy_run=60), 0.97),
                                       (dict(q_hard=0.99, hard_start=0), 0.99)],
                          ids=["bench-like", "longer-dips", "flat"])
 def test_batch_1_replay_with_chains_stays_with_the_best_fixed_shape(text, bar):
     """eaglekv.testing.adaptive_sim: 40 requests of 256 tokens at batch 1 with the H100's
     step mechanics (held choices chained, plain chains with their horizon, the draft's
     catch-up), text with easy and hard stretches. The policy as AdaptiveWorker sets it under
-    chains runs within 1-2% of the best fixed shape and well above plain decoding."""
+    chains runs within 1-3% of the best fixed shape and well above plain decoding. (Since
+    2026-12-06 evening the replay holds a choice for the longest shape's chain and consumes
+    the held steps at once, as the worker does; it held for the shortest before, where the
+    text with longer hard stretches read 0.984x; 0.973x now.)"""
     from eaglekv.testing.adaptive_sim import compare
     r = compare(text_options=text)
     assert r["adaptive_vs_best_fixed"] >= bar, r
@@ -1354,18 +1358,19 @@ def test_replay_with_learnt_costs_chained_costs_find_the_shorter_chain():
     (after 24 requests of warm-up), the H100's batch-1 costs after the decode-kernel verify,
     text like the held-out prompts (where the fixed S3 runs ~1.1x the fixed S5): as shipped,
     S3's cell is seeded by single exploring steps that each pay a whole launch and sync, and
-    S3 is never chosen again (as on the H100, 2026-12-06); with chained costs (exploring
-    steps as whole chains, chains cut short not observed) S3 is chosen and the replay runs
-    closer to the best fixed shape. (`python -m eaglekv.testing.adaptive_sim --learn`.)"""
+    S3 is never chosen again (as on the H100, 2026-12-06: 0.875x the best fixed shape here);
+    with chained costs (exploring steps as whole chains, chains cut short not observed) S3 is
+    chosen in more than half the steps (0.958x). (`python -m eaglekv.testing.adaptive_sim
+    --learn`.)"""
     from eaglekv.testing.adaptive_sim import HELDOUT_LIKE, Mechanics, compare
     mech = Mechanics(step_ms={"S3K1N4": 1.03, "S5K1N6": 1.355, "S4K2N8": 1.75}, sync_ms=0.6)
     runs = [compare(24, 128, mech, text_options=HELDOUT_LIKE, warmup=24, learn=True,
                     chained_costs=on) for on in (False, True)]
     assert runs[0]["fixed_ms"]["S3K1N4"] < 0.95 * runs[0]["fixed_ms"]["S5K1N6"]
     assert "S3K1N4" not in runs[0]["choices"], runs[0]["choices"]
-    assert runs[1]["choices"].get("S3K1N4", 0) >= 40, runs[1]["choices"]
+    assert runs[1]["choices"].get("S3K1N4", 0) >= 80, runs[1]["choices"]
     assert (runs[1]["adaptive_vs_best_fixed"]
-            >= runs[0]["adaptive_vs_best_fixed"] + 0.02), (runs[0], runs[1])
+            >= runs[0]["adaptive_vs_best_fixed"] + 0.05), (runs[0], runs[1])
 
 
 def test_a_chain_cell_is_estimated_from_the_nearest_bucket():
