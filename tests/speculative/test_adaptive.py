@@ -1356,12 +1356,12 @@ def test_batch_1_replay_with_chains_stays_with_the_best_fixed_shape(text, bar):
 def test_replay_with_learnt_costs_chained_costs_find_the_shorter_chain():
     """eaglekv.testing.adaptive_sim with the cost table learnt as AdaptiveWorker learns it
     (after 24 requests of warm-up), the H100's batch-1 costs after the decode-kernel verify,
-    text like the held-out prompts (where the fixed S3 runs ~1.1x the fixed S5): as shipped,
-    S3's cell is seeded by single exploring steps that each pay a whole launch and sync, and
-    S3 is never chosen again (as on the H100, 2026-12-06: 0.875x the best fixed shape here);
-    with chained costs (exploring steps as whole chains, chains cut short not observed) S3 is
-    chosen in more than half the steps (0.958x). (`python -m eaglekv.testing.adaptive_sim
-    --learn`.)"""
+    text like the held-out prompts (where the fixed S3 runs ~1.1x the fixed S5): with the
+    cells as they were measured before, S3's is seeded by single exploring steps that each pay
+    a whole launch and sync, and S3 is never chosen again here (0.875x the best fixed shape;
+    on the H100, 2026-12-06, once in 128 tokens); with chained costs (exploring steps as whole
+    chains, chains cut short not observed) S3 is chosen in more than half the steps (0.958x).
+    (`python -m eaglekv.testing.adaptive_sim --learn`.)"""
     from eaglekv.testing.adaptive_sim import HELDOUT_LIKE, Mechanics, compare
     mech = Mechanics(step_ms={"S3K1N4": 1.03, "S5K1N6": 1.355, "S4K2N8": 1.75}, sync_ms=0.6)
     runs = [compare(24, 128, mech, text_options=HELDOUT_LIKE, warmup=24, learn=True,
