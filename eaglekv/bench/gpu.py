@@ -213,6 +213,9 @@ MODES.update({f"{m}_{v}": MODES[m]
               for m in ("eagle_chain_S5K1N6", "eagle3_chain_S5K1N6", "eagle3_chain_S7K1N8",
                         "adaptive", "adaptive_eagle3_gpu_s7")
               for v in ("vdec", "novdec")})
+# verifies of up to 128 tokens through the decode kernel (S5 / S7 at batch 16: not measured)
+MODES.update({f"{m}_vdec128": MODES[m] for m in ("eagle3_chain_S5K1N6", "eagle3_chain_S7K1N8",
+                                                 "adaptive_eagle3")})
 
 # adaptive with its cost cells measured as each step ran (`_rawcost`: adaptive_worker.
 # CHAINED_COSTS off, as shipped before 2026-12-06 evening) or as chains run (`_ccost`: on, the
@@ -227,7 +230,7 @@ MODES.update({f"{m}_{v}": MODES[m] for m in ("adaptive", "adaptive_eagle3",
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
             "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
-            "_novdec", "_ccost", "_rawcost")
+            "_novdec", "_ccost", "_rawcost", "_vdec128")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -248,6 +251,8 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                             "CHAIN_VERIFY_DECODE_MAX_TOKENS", 64),
                    "novdec": ("eaglekv.attention.triton_backend",
                               "CHAIN_VERIFY_DECODE_MAX_TOKENS", 0),
+                   "vdec128": ("eaglekv.attention.triton_backend",
+                               "CHAIN_VERIFY_DECODE_MAX_TOKENS", 128),
                    # adaptive's cost cells as chains cost (adaptive_worker.CHAINED_COSTS)
                    "ccost": ("eaglekv.speculative.adaptive_worker", "CHAINED_COSTS", True),
                    "rawcost": ("eaglekv.speculative.adaptive_worker", "CHAINED_COSTS", False)}
