@@ -613,6 +613,41 @@ def test_gpu_adaptive_mix_greedy_equals_plain(tiny_dir, deep_dir, alg, graphs):
     assert eng.allocator.is_full()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("on", [True, False], ids=["chained_costs", "raw_costs"])
+def test_free_choices_from_empty_costs_are_lossless_and_explore_as_chains(tiny_dir, monkeypatch,
+                                                                          device, on):
+    """The policy unscripted from an empty cost table (every cell explored first), chains of
+    up to 16 tokens (on CUDA the whole-step replays chain; on the CPU a step is one step):
+    greedy equals plain decoding at batch 1 and 3, the books balance; with chained costs an
+    exploring step is offered its shape's whole chain, without them one step."""
+    from eaglekv.speculative import adaptive_worker as aw
+    monkeypatch.setattr(aw, "CHAINED_COSTS", on)
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 47))]
+    plain = [o.token_ids for o in tiny_engine(tiny_dir, device=device).generate(prompts, sp)]
+    for batch in (prompts[:1], prompts):
+        eng = adaptive_engine(tiny_dir, shapes=((3, 1, 4), (5, 1, 6)), device=device,
+                              max_running_requests=4, num_scheduler_steps=16)
+        w = eng.runner
+        w.policy.costs = CostTable(drop_first=device == "cuda")     # nothing known yet
+        offered = []
+        speculate = w._speculate
+
+        def spy(sub, shape, max_chain=1, overlap=False):
+            offered.append((shape, max_chain, w.policy.costs.known(shape.label, len(sub))))
+            return speculate(sub, shape, max_chain, overlap)
+        w._speculate = spy
+        assert [o.token_ids for o in eng.generate(batch, sp)] == plain[:len(batch)]
+        eng.check_memory()
+        assert eng.allocator.is_full()
+        exploring = [(s, m) for s, m, known in offered if not known]
+        assert exploring, offered
+        for s, m in exploring:
+            assert m == (w.workers[s].chain_steps if on else 1), (s, m, offered)
+        assert w.workers[Shape(3, 1, 4)].chain_steps == 4            # ceil(16 / 4)
+
+
 def test_a_deeper_shape_is_judged_by_the_observed_fall_off():
     """Only depths 1..3 were ever drafted: depths 4, 5 continue at rate[3] / rate[2], not at
     the prior, so a deep shape that would pay is tried."""
