@@ -404,7 +404,8 @@ class AdaptiveWorker:
         self._charge(seconds)
 
     def _charge(self, wall: float | None) -> None:
-        """Observe the pending step's parts: (label, requests, timed seconds, tokens each).
+        """Observe the pending step's parts: (label, requests, timed seconds, tokens each[,
+        True: a chain cut short, not observed once its cell is known (CHAINED_COSTS)]).
         `wall`: the whole step's seconds, the untimed rest shared in proportion to the timed
         ones; None: the timed parts alone."""
         parts, self._pending = self._pending, None
