@@ -28,6 +28,7 @@ import pstats
 import runpy
 import statistics
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -611,11 +612,22 @@ def host_top(cp: cProfile.Profile, steps: int, n: int = 25) -> list[dict]:
     return sorted(rows, key=lambda r: -r["self_ms_per_step"])[:n]
 
 
+class JitLoads(list):
+    """Kernel names (`jit_loads`), with `details` beside them."""
+
+    def __init__(self):
+        super().__init__()
+        self.details: list[dict] = []
+
+
 @contextlib.contextmanager
 def jit_loads():
     """The Triton kernel specialisations first launched in this process inside the block (a
     compile, or a load from the disk cache: ~1 s or ~10 ms in the middle of a timed step), by
-    kernel name; None where this Triton has no `knobs.runtime.jit_cache_hook`."""
+    kernel name; None where this Triton has no `knobs.runtime.jit_cache_hook`. The list's
+    `details` has, for each, Triton's description of the specialisation (the arguments'
+    types, with the divisibility it assumed) and the eaglekv frames that launched it: which
+    path met a specialisation that the start-up's warm-up and capture did not."""
     try:
         from triton import knobs
         hook_holder = knobs.runtime
@@ -623,10 +635,16 @@ def jit_loads():
     except (ImportError, AttributeError):
         yield None
         return
-    seen: list[str] = []
+    seen = JitLoads()
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep   # eaglekv/
+    bench = os.path.join(pkg, "bench") + os.sep
 
     def hook(*, repr: str, **_):
         seen.append(repr.split("[", 1)[0])
+        frames = [f"{os.path.relpath(f.filename, pkg)}:{f.lineno}({f.name})"
+                  for f in traceback.extract_stack()[:-1]
+                  if f.filename.startswith(pkg) and not f.filename.startswith(bench)]
+        seen.details.append({"kernel": repr, "launched_from": frames[-8:]})
         return False        # compile as usual
     hook_holder.jit_cache_hook = hook
     try:
@@ -675,7 +693,9 @@ def run_modes(args, modes: list[str], batches: list[int]) -> dict:
                 runs[m][B].append(tps)
                 stats[m].setdefault(B, {}).setdefault("phases", []).append(phases)
                 if loaded is not None:   # a kernel compiled (or loaded) inside a timed run
-                    stats[m][B].setdefault("triton_jit_loads", []).append(loaded)
+                    stats[m][B].setdefault("triton_jit_loads", []).append(list(loaded))
+                    if loaded.details:
+                        stats[m][B].setdefault("triton_jit_details", []).extend(loaded.details)
                 if eng.worker is not None:
                     st, w = eng.spec_stats(), eng.worker
                     steps = max(st.verify_steps, 1)

@@ -481,6 +481,10 @@ def test_jit_loads_names_kernels_first_launched_in_a_timed_run():
         hook(key=(), repr="_extend_merge_kernel[num_warps=1]()", fn=None, compile={},
              is_manual_warmup=False, already_compiled=False)
     assert loaded == ["_extend_kernel", "_extend_merge_kernel"]
+    assert [d["kernel"] for d in loaded.details] == [
+        "_extend_kernel[num_warps=4](q_ptr: *bf16)", "_extend_merge_kernel[num_warps=1]()"]
+    # the launching eaglekv frames (none here: the hook was called from the test)
+    assert all(d["launched_from"] == [] for d in loaded.details)
     assert knobs.runtime.jit_cache_hook is before
 
 
