@@ -74,9 +74,26 @@ EXPLORE_CHAIN = 8
 # (`python -m eaglekv.testing.adaptive_sim --learn`, the H100's costs after the decode-kernel
 # verify) it took held-out-like text from 0.875x to 0.958x the best fixed shape and text with
 # long hard stretches from 0.847x to 0.934x, bench-like text unchanged (0.982x / 0.981x). On
-# by default since 2026-12-06 (not yet measured on a GPU: `bench/h200_issue13.sh ccost`, the
-# bench's `_rawcost` modes turn it off); EAGLEKV_ADAPTIVE_CHAINED_COSTS=0 turns it off.
+# by default since 2026-12-06; on an H100 (15:35, `bench/h200_issue13.sh ccost`, one process,
+# bench/results/gpu_bench_h100_20261206c_ccost_*.json) the first held-out prompt at batch 1
+# ran 1.31x plain with it and 1.11x without (the fixed S3 1.29x), the first four 0.99x / 1.14x
+# (one of three runs with a 1 s compile, below), the bench prompt 1.76x / 1.74x / 1.43x / 1.35x
+# at batch 1 / 4 / 16 / 64 with it and 1.82x / 1.72x / 1.42x / 1.30x without. The bench's
+# `_rawcost` modes and EAGLEKV_ADAPTIVE_CHAINED_COSTS=0 turn it off.
 CHAINED_COSTS = os.environ.get("EAGLEKV_ADAPTIVE_CHAINED_COSTS", "1") != "0"
+
+# The draft's catch-up (`_catch_up`: its extend over what requests decoded plainly) runs
+# eagerly, at lengths and batch sizes that start-up's captures and a prompt's prefill may never
+# have launched: on an H100 (2026-12-06, the held-out prompts at batch 4) the first catch-up of
+# the process compiled a Triton specialisation of the extend attention inside a step, 1018 ms.
+# So on a Triton device the worker runs the draft's extend once at start-up for each
+# (requests, tokens a request) here, on the padding row and the padding page (`warm_catch_up`):
+# 1-4 rows (the gemv kernel's row tiles), the extend tile's lengths (16 / 17 queries, short /
+# long past 64). WARM_CATCH_UP = () (EAGLEKV_WARM_CATCH_UP=0) skips it.
+WARM_CATCH_UP: tuple[tuple[int, int], ...] = (
+    () if os.environ.get("EAGLEKV_WARM_CATCH_UP", "1") == "0" else
+    ((1, 1), (2, 1), (3, 1), (4, 1), (1, 2), (1, 4), (1, 16), (1, 17), (1, 64), (1, 65),
+     (4, 16), (4, 17)))
 
 
 def _is_subsequence(xs: list, ys) -> bool:
@@ -141,6 +158,23 @@ class AdaptiveWorker:
                 setattr(self.policy, name, value)
         self._pages_key, self._pages = None, 0
         self.reset_stats()
+        if res.device.type == "cuda":
+            self.warm_catch_up()
+
+    def warm_catch_up(self, shapes=None) -> None:
+        """The draft's extend once for each (requests, tokens) of `shapes` (None:
+        WARM_CATCH_UP), every request on the padding row at positions 0.. and every token's
+        K/V to the padding page's first slot, features zero: the kernels a catch-up launches
+        are compiled (or loaded) here and not inside a step. Nothing outside the padding
+        page is written (tested)."""
+        dev, width = self.res.device, self.feature_table.shape[1]
+        with guarded(dev):
+            for B, L in (WARM_CATCH_UP if shapes is None else shapes):
+                ids = [[0] * L for _ in range(B)]
+                batch = ForwardBatch.build(ids, [0] * B, [0] * B,
+                                           torch.zeros(B * L, dtype=torch.int64), dev)
+                hidden = torch.zeros(B * L, width, dtype=self.feature_table.dtype, device=dev)
+                self.drafter.extend(batch, hidden, ids if self.drafter.needs_contexts else None)
 
     def identity(self) -> dict:
         """What the step costs depend on: device (on CPU: threads and matmul library),

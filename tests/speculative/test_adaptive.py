@@ -1585,3 +1585,60 @@ def test_a_chain_observed_at_once_equals_its_steps_observed_in_turn(S, m, after)
     for step in stopped:
         b.observe_spec(reqs, shape, step)
     np.testing.assert_allclose(a.rates, b.rates)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("alg", ["eagle", "eagle3"])
+def test_warm_catch_up_writes_only_the_padding_page(tiny_dir, deep_dir, alg, device):
+    """`warm_catch_up` (start-up on CUDA: the draft's extend at the catch-up's lengths, so
+    that no Triton kernel compiles inside a step) writes neither KV pool outside the padding
+    page nor req_to_token, allocates nothing, and greedy decoding after it equals plain."""
+    d = tiny_dir if alg == "eagle" else deep_dir
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], list(range(20, 47))]
+    plain = [o.token_ids for o in tiny_engine(d, device=device).generate(prompts, sp)]
+    eng = tiny_engine(d, device=device, max_running_requests=4,
+                      speculative=dict(algorithm=alg, draft_model="random", adaptive=True,
+                                       shapes=((3, 1, 4),)))
+    eng.generate(prompts[:1], sp)        # the pools hold a finished request's KV
+    w = eng.runner
+    pools = [w.res.kv_pool] + ([w.drafter.kv_pool] if w.drafter.kv_pool is not None else [])
+    before = [p.kv.clone() for p in pools]
+    r2t = w.res.req_to_token.req_to_token.clone()
+    w.warm_catch_up(((1, 1), (3, 1), (1, 17), (2, 65)))
+    w.warm_catch_up()                  # the default set (empty where the env turns it off)
+    for p, kv in zip(pools, before):
+        page = p.page_size
+        assert torch.equal(p.kv[:, :, page:], kv[:, :, page:])
+    assert torch.equal(w.res.req_to_token.req_to_token, r2t)
+    assert eng.allocator.is_full()
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == plain
+    eng.check_memory()
+    assert eng.allocator.is_full()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_catch_up_compiles_nothing_inside_a_step(tiny_dir):
+    """After start-up's `warm_catch_up`, plain steps then speculative ones (each speculative
+    step after plain ones begins with the draft's catch-up, at lengths 1-16 and batch sizes
+    1-3) launch no Triton specialisation that start-up did not. (Run alone with
+    EAGLEKV_WARM_CATCH_UP=0 it fails: on an H100 2026-12-06.)"""
+    pytest.importorskip("triton")
+    from eaglekv.bench.gpu import jit_loads
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 47))]
+    eng = adaptive_engine(tiny_dir, shapes=((3, 1, 4),), device="cuda",
+                          max_running_requests=4, num_scheduler_steps=4)
+    eng.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))   # prefills
+    shape = Shape(3, 1, 4)
+    scripted_choices(eng, lambda step, n: (
+        Choice(None, [], list(range(n))) if step % 4 < 2 else Choice(shape, list(range(n)), [])))
+    for batch in (prompts[:1], prompts[1:], prompts):
+        with jit_loads() as loaded:
+            eng.generate(batch, sp)
+        if loaded is None:
+            pytest.skip("this Triton has no jit_cache_hook")
+        assert "_extend_kernel" not in loaded, loaded.details
+    eng.check_memory()
+    assert eng.allocator.is_full()
