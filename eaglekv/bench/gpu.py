@@ -852,12 +852,15 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
     from eaglekv.kernels import fused_triton
     variants = {"shipped": [step_s, decode_step_s(graphs)]}
     grope = [(fused, "FUSE_GEMV_ROPE", True), (fused, "GEMV_ROPE_MAX_BYTES", None)]
-    # the gemv kernel's one-row tiling (qkv and gate_up with their norm: ~60% of the step's
-    # device time here, at ~2.3 TB/s in the step against ~2.8 alone): warps, K and N tiles
+    # the gemv kernel's one-row tiling (every matmul of the step but lm_head, ~90% of its
+    # device time): warps, K tiles, and the rows a program at this width (GEMV_WIDE_BLOCK_N,
+    # 8 since 2026-12-06: 4 was 82.3% of the roofline on an H100, 8 84.8%)
     tiling = {f"gemv_{k}{v}": [(fused_triton, "GEMV_CONFIG",
                                 {**fused_triton.GEMV_CONFIG, k: v})]
               for k, v in (("num_warps", 2), ("num_warps", 8), ("block_k", 2048),
-                           ("block_k", 512), ("block_n", 8), ("block_n", 2))}
+                           ("block_k", 512))}
+    tiling.update({f"gemv_wide_block_n{v}": [(fused_triton, "GEMV_WIDE_BLOCK_N", v)]
+                   for v in (4, 16)})
     for name, sets in (("grope", grope), ("sp1", [(attn_mod, "MAX_SPLITS", 1)]),
                        ("grope_sp1", grope + [(attn_mod, "MAX_SPLITS", 1)]),
                        *tiling.items()):

@@ -676,6 +676,35 @@ def test_gemv_rows_limits(monkeypatch):
                                                                          False]
 
 
+def test_gemv_wide_rows_take_more_rows_a_program(monkeypatch):
+    """Rows of K >= GEMV_WIDE_K (an 8B's) take GEMV_WIDE_BLOCK_N weight rows a program,
+    SmolLM2's widths the configured block_n; an explicit block_n wins, and off (None) every
+    width takes the configured one; the wide tiling matches the reference."""
+    from eaglekv.kernels import fused
+    ft = fused._triton_impl()
+    base = ft.GEMV_CONFIG["block_n"]
+    assert [ft.gemv_tiling(1, K)[1] for K in (576, 1536, 4096, 14336)] == [
+        base, base, ft.GEMV_WIDE_BLOCK_N, ft.GEMV_WIDE_BLOCK_N]
+    assert ft.gemv_tiling(4, 4096)[1] == ft.GEMV_WIDE_BLOCK_N != base
+    assert ft.gemv_tiling(1, 4096, block_n=2)[1] == 2
+    assert ft.gemv_tiling(6, 4096)[1] == ft.GEMV_DOT_CONFIG["block_n"]   # the 5-16 row tile
+    monkeypatch.setattr(ft, "GEMV_WIDE_K", 256)           # a small K through the wide tiling
+    M, K, N = 2, 300, 40
+    x, r = randn(M, K, seed=1), randn(M, K, seed=2)
+    w = fused.column_major(randn(K, N, seed=4, scale=K ** -0.5))
+    nw = randn(K, seed=3, scale=0.2) + 1
+    assert ft.gemv_tiling(M, K)[1] == ft.GEMV_WIDE_BLOCK_N
+    for silu in (False, True):
+        want, want_res = fused.norm_matmul_torch(x.cpu(), r.cpu(), nw.cpu(), EPS,
+                                                 w.cpu().contiguous(), silu_mul=silu)
+        got, got_res = ft.gemv_triton(x, r, nw, EPS, w, silu, fused._check_gemv)
+        assert torch.equal(got_res.cpu(), want_res)
+        err = (got.cpu().double() - want.double()).abs().max() / want.double().abs().max()
+        assert err <= MATMUL_TOL[torch.float32], float(err)
+    monkeypatch.setattr(ft, "GEMV_WIDE_K", None)
+    assert ft.gemv_tiling(1, 14336)[1] == base
+
+
 @pytest.mark.parametrize("tiling", [(8, 128, 2), (2, 32, 1), (16, 1024, 4)])
 @pytest.mark.parametrize("silu", [False, True])
 def test_gemv_tilings_match_reference(tiling, silu):
