@@ -1622,8 +1622,10 @@ def test_warm_catch_up_writes_only_the_padding_page(tiny_dir, deep_dir, alg, dev
 def test_gpu_catch_up_compiles_nothing_inside_a_step(tiny_dir):
     """After start-up's `warm_catch_up`, plain steps then speculative ones (each speculative
     step after plain ones begins with the draft's catch-up, at lengths 1-16 and batch sizes
-    1-3) launch no Triton specialisation that start-up did not. (Run alone with
-    EAGLEKV_WARM_CATCH_UP=0 it fails: on an H100 2026-12-06.)"""
+    1-3) launch no Triton specialisation that start-up did not. A guard of the property,
+    not of the warm-up itself: on an H100 (2026-12-06) it passed with EAGLEKV_WARM_CATCH_UP=0
+    too, the tiny model's prefills having launched the catch-up's specialisations already
+    (bench/results/gpu_tests_h100_20261206c_catch_up_nowarm.log)."""
     pytest.importorskip("triton")
     from eaglekv.bench.gpu import jit_loads
     sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
