@@ -83,19 +83,33 @@ EXPLORE_CHAIN = 8
 CHAINED_COSTS = os.environ.get("EAGLEKV_ADAPTIVE_CHAINED_COSTS", "1") != "0"
 
 # The draft's catch-up (`_catch_up`: its extend over what requests decoded plainly) runs
-# eagerly, at lengths and batch sizes that start-up's captures and a prompt's prefill may never
-# have launched: on an H100 (2026-12-06, the held-out prompts at batch 4) the first catch-up of
-# the process compiled a Triton specialisation of the extend attention inside a step, 1018 ms.
-# So on a Triton device the worker runs the draft's extend once at start-up for each
-# (requests, tokens a request) here, on the padding row and the padding page (`warm_catch_up`):
-# 1-4 rows (the gemv kernel's row tiles), the extend tile's lengths (16 / 17 queries, short /
-# long past 64). WARM_CATCH_UP = () (EAGLEKV_WARM_CATCH_UP=0) skips it. Which specialisation
-# the H100's catch-up compiled was not recorded (the bench records it since: its
-# `triton_jit_details`), so this covers the catch-up's whole range; not yet rerun there.
-WARM_CATCH_UP: tuple[tuple[int, int], ...] = (
-    () if os.environ.get("EAGLEKV_WARM_CATCH_UP", "1") == "0" else
-    ((1, 1), (2, 1), (3, 1), (4, 1), (1, 2), (1, 4), (1, 16), (1, 17), (1, 64), (1, 65),
-     (4, 16), (4, 17)))
+# eagerly, where Triton kernels meet specialisations that start-up's captures and a prompt's
+# prefill may never have launched: on an H100 (2026-12-06, the held-out prompts at batch 4) the
+# first catch-up of a process took 1018 ms, an `_extend_kernel` compiled inside the step (the
+# 01:29 bench of that day met `_decode_kernel` and `_merge_kernel` the same way). What varies:
+# a catch-up of one token a request is a decode, whose split count (1-16, from the batch and
+# the keys: `attention.default_num_splits`) is a constant of the compiled kernel, so each count
+# a growing context reaches is a compile (the graphs capture one, at the context limit); a
+# longer one is an extend whose tile depends on its length (16 / 32 queries, short up to 64)
+# and whose split-K scratch (fp32, or the output itself unsplit) on its keys; the matmuls'
+# row tile on the row count (1, 2, 4). So on a Triton device the worker runs the draft's
+# extend at start-up once for each (requests, tokens a request, prefix) of
+# `catch_up_warm_shapes`, on the padding row (its table all the padding page) with every K/V
+# written to the padding page's first slot (`warm_catch_up`). EAGLEKV_WARM_CATCH_UP=0 skips it.
+WARM_CATCH_UP = os.environ.get("EAGLEKV_WARM_CATCH_UP", "1") != "0"
+
+
+def catch_up_warm_shapes(max_context: int) -> list[tuple[int, int, int]]:
+    """(requests, tokens a request, prefix) for `warm_catch_up`: one-token decodes at every
+    split count a context below `max_context` reaches, the row tiles, and extends of each
+    tile, unsplit (prefix 0) and split (a prefix of 128)."""
+    from eaglekv.kernels.attention import MAX_SPLITS, MIN_KEYS_PER_SPLIT
+    out = [(1, 1, MIN_KEYS_PER_SPLIT * (s - 1)) for s in range(1, MAX_SPLITS + 1)]
+    out += [(2, 1, 0), (3, 1, 0), (4, 1, 0)]
+    for L in (2, 4, 16, 17, 64):
+        out += [(1, L, 0), (1, L, 128)]
+    out += [(1, 65, 0), (4, 16, 0), (4, 17, 0)]
+    return [(B, L, P) for B, L, P in out if P + L < max_context]
 
 
 def _is_subsequence(xs: list, ys) -> bool:
@@ -160,20 +174,22 @@ class AdaptiveWorker:
                 setattr(self.policy, name, value)
         self._pages_key, self._pages = None, 0
         self.reset_stats()
-        if res.device.type == "cuda":
+        if res.device.type == "cuda" and WARM_CATCH_UP:
             self.warm_catch_up()
 
     def warm_catch_up(self, shapes=None) -> None:
-        """The draft's extend once for each (requests, tokens) of `shapes` (None:
-        WARM_CATCH_UP), every request on the padding row at positions 0.. and every token's
-        K/V to the padding page's first slot, features zero: the kernels a catch-up launches
-        are compiled (or loaded) here and not inside a step. Nothing outside the padding
-        page is written (tested)."""
+        """The draft's extend once for each (requests, tokens, prefix) of `shapes` (None:
+        `catch_up_warm_shapes`), every request on the padding row (whose table is all the
+        padding page's first slot) and every token's K/V written to that slot, features
+        zero: the kernels a catch-up launches are compiled (or loaded) here and not inside a
+        step. Nothing outside the padding page is written (tested)."""
         dev, width = self.res.device, self.feature_table.shape[1]
+        if shapes is None:
+            shapes = catch_up_warm_shapes(self.res.max_context_len)
         with guarded(dev):
-            for B, L in (WARM_CATCH_UP if shapes is None else shapes):
+            for B, L, P in shapes:
                 ids = [[0] * L for _ in range(B)]
-                batch = ForwardBatch.build(ids, [0] * B, [0] * B,
+                batch = ForwardBatch.build(ids, [P] * B, [0] * B,
                                            torch.zeros(B * L, dtype=torch.int64), dev)
                 hidden = torch.zeros(B * L, width, dtype=self.feature_table.dtype, device=dev)
                 self.drafter.extend(batch, hidden, ids if self.drafter.needs_contexts else None)

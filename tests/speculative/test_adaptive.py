@@ -1605,8 +1605,8 @@ def test_warm_catch_up_writes_only_the_padding_page(tiny_dir, deep_dir, alg, dev
     pools = [w.res.kv_pool] + ([w.drafter.kv_pool] if w.drafter.kv_pool is not None else [])
     before = [p.kv.clone() for p in pools]
     r2t = w.res.req_to_token.req_to_token.clone()
-    w.warm_catch_up(((1, 1), (3, 1), (1, 17), (2, 65)))
-    w.warm_catch_up()                  # the default set (empty where the env turns it off)
+    w.warm_catch_up(((1, 1, 0), (3, 1, 100), (1, 17, 0), (1, 17, 128), (2, 65, 3)))
+    w.warm_catch_up()                  # the default set
     for p, kv in zip(pools, before):
         page = p.page_size
         assert torch.equal(p.kv[:, :, page:], kv[:, :, page:])
@@ -1615,6 +1615,23 @@ def test_warm_catch_up_writes_only_the_padding_page(tiny_dir, deep_dir, alg, dev
     assert [o.token_ids for o in eng.generate(prompts, sp)] == plain
     eng.check_memory()
     assert eng.allocator.is_full()
+
+
+def test_catch_up_warm_shapes_reach_every_split_count():
+    """The warm-up's one-token decodes reach every split count `default_num_splits` gives a
+    catch-up below the context limit (a constant of the compiled decode kernel), its extends
+    both the unsplit and the split scratch, the row tiles 1-4; nothing at or past the limit."""
+    from eaglekv.kernels.attention import MAX_SPLITS, default_num_splits
+    from eaglekv.speculative.adaptive_worker import catch_up_warm_shapes
+    shapes = catch_up_warm_shapes(4096)
+    decodes = {default_num_splits(B, 3, P + 1) for B, L, P in shapes if L == 1}
+    assert decodes == set(range(1, MAX_SPLITS + 1))
+    assert {B for B, L, P in shapes if L == 1 and P == 0} == {1, 2, 3, 4}
+    ext = {(L, P > 0) for B, L, P in shapes if L > 1}
+    assert {(16, False), (16, True), (17, False), (17, True), (64, True), (65, False)} <= ext
+    small = catch_up_warm_shapes(300)
+    assert small and all(P + L < 300 for B, L, P in small)
+    assert {default_num_splits(1, 3, P + 1) for B, L, P in small if L == 1} == {1, 2, 3, 4, 5}
 
 
 @pytest.mark.gpu
