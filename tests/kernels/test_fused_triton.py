@@ -676,6 +676,23 @@ def test_gemv_rows_limits(monkeypatch):
                                                                          False]
 
 
+def _gemv_matches_reference(M: int, K: int = 300, N: int = 40) -> None:
+    """gemv_triton at its current tiling (norm prologue, with and without SiLU*mul) against
+    norm_matmul_torch: the residual exact, the product within fp32's matmul tolerance."""
+    from eaglekv.kernels import fused
+    x, r = randn(M, K, seed=1), randn(M, K, seed=2)
+    w = fused.column_major(randn(K, N, seed=4, scale=K ** -0.5))
+    nw = randn(K, seed=3, scale=0.2) + 1
+    for silu in (False, True):
+        want, want_res = fused.norm_matmul_torch(x.cpu(), r.cpu(), nw.cpu(), EPS,
+                                                 w.cpu().contiguous(), silu_mul=silu)
+        got, got_res = fused._triton_impl().gemv_triton(x, r, nw, EPS, w, silu,
+                                                       fused._check_gemv)
+        assert torch.equal(got_res.cpu(), want_res)
+        err = (got.cpu().double() - want.double()).abs().max() / want.double().abs().max()
+        assert err <= MATMUL_TOL[torch.float32], float(err)
+
+
 def test_gemv_wide_rows_take_more_rows_a_program(monkeypatch):
     """Rows of K >= GEMV_WIDE_K (an 8B's) take GEMV_WIDE_BLOCK_N weight rows a program,
     SmolLM2's widths the configured block_n; an explicit block_n wins, and off (None) every
@@ -689,18 +706,8 @@ def test_gemv_wide_rows_take_more_rows_a_program(monkeypatch):
     assert ft.gemv_tiling(1, 4096, block_n=2)[1] == 2
     assert ft.gemv_tiling(6, 4096)[1] == ft.GEMV_DOT_CONFIG["block_n"]   # the 5-16 row tile
     monkeypatch.setattr(ft, "GEMV_WIDE_K", 256)           # a small K through the wide tiling
-    M, K, N = 2, 300, 40
-    x, r = randn(M, K, seed=1), randn(M, K, seed=2)
-    w = fused.column_major(randn(K, N, seed=4, scale=K ** -0.5))
-    nw = randn(K, seed=3, scale=0.2) + 1
-    assert ft.gemv_tiling(M, K)[1] == ft.GEMV_WIDE_BLOCK_N
-    for silu in (False, True):
-        want, want_res = fused.norm_matmul_torch(x.cpu(), r.cpu(), nw.cpu(), EPS,
-                                                 w.cpu().contiguous(), silu_mul=silu)
-        got, got_res = ft.gemv_triton(x, r, nw, EPS, w, silu, fused._check_gemv)
-        assert torch.equal(got_res.cpu(), want_res)
-        err = (got.cpu().double() - want.double()).abs().max() / want.double().abs().max()
-        assert err <= MATMUL_TOL[torch.float32], float(err)
+    assert ft.gemv_tiling(2, 300)[1] == ft.GEMV_WIDE_BLOCK_N
+    _gemv_matches_reference(2)
     monkeypatch.setattr(ft, "GEMV_WIDE_K", None)
     assert ft.gemv_tiling(1, 14336)[1] == base
 
@@ -739,17 +746,7 @@ def test_gemv_max_tile_caps_block_k_by_rows(M, monkeypatch):
     monkeypatch.setitem(ft.GEMV_CONFIG, "max_tile", 1024)
     assert ft.gemv_block_k(M, 4096) == {1: 1024, 4: 256, 8: 128}[M]
     assert ft.gemv_block_k(8, 4096, block_k=512) == 512 and ft.gemv_block_k(1, 100) == 128
-    K, N = 300, 40
-    x, r = randn(M, K, seed=1), randn(M, K, seed=2)
-    w = fused.column_major(randn(K, N, seed=4, scale=K ** -0.5))
-    nw = randn(K, seed=3, scale=0.2) + 1
-    for silu in (False, True):
-        want, want_res = fused.norm_matmul_torch(x.cpu(), r.cpu(), nw.cpu(), EPS,
-                                                 w.cpu().contiguous(), silu_mul=silu)
-        got, got_res = ft.gemv_triton(x, r, nw, EPS, w, silu, fused._check_gemv)
-        assert torch.equal(got_res.cpu(), want_res)
-        err = (got.cpu().double() - want.double()).abs().max() / want.double().abs().max()
-        assert err <= MATMUL_TOL[torch.float32], float(err)
+    _gemv_matches_reference(M)
 
 
 def test_gemv_takes_only_decode_rows_of_column_major_weights(monkeypatch):
