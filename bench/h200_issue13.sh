@@ -13,6 +13,9 @@
 #   bench/h200_issue13.sh dot     # the gemv's tensor-core tile (5-16 rows): tilings, then engine
 #   bench/h200_issue13.sh vdec    # a chain's verify via the decode kernel; adaptive with S7
 #   bench/h200_issue13.sh ccost   # adaptive's cost cells as chains run vs as before; with S7
+#   bench/h200_issue13.sh table   # issue 13's whole table as shipped, one process (~7 min):
+#                                 # plain, the EAGLE-3 chains S3/S5/S7 and tree S4K2N8, the
+#                                 # adaptive default, batch 1-64, HF, the 8B row, the floor
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
 #                                 # (the whole suite takes ~7 min on an H100: split it, e.g.
 #                                 # tests/kernels, then tests/speculative tests/engine ...)
@@ -138,8 +141,15 @@ PY
     MODES=${MODES:-plain,eagle_chain_S5K1N6,eagle_chain_S5K1N6_vdec,eagle3_chain_S5K1N6,eagle3_chain_S5K1N6_vdec,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_vdec,adaptive,adaptive_gpu_s7,adaptive_eagle3_gpu_s7} \
       REPEATS=${REPEATS:-3} LLAMA8B=${LLAMA8B:-" "} FLOOR=${FLOOR:-0} "$0" bench
     ;;
+  table)
+    # 2026-12-06 (fifteenth session, not yet run): the issue's must-show table in one call for
+    # when an H200 is lent (stage the model and the EAGLE-3 head first, as for `ccost`)
+    MODES=${MODES:-plain,eagle3_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_chain_S7K1N8,eagle3_tree_S4K2N8,adaptive_eagle3} \
+      BATCHES=${BATCHES:-1,4,16,64} REPEATS=${REPEATS:-2} BENCH_TIMEOUT=${BENCH_TIMEOUT:-560} \
+      "$0" bench
+    ;;
   ccost)
-    # 2026-12-06 (fourteenth session, not yet run): adaptive's cost cells measured as chains
+    # 2026-12-06 (fourteenth session; run 15:33 in the fifteenth): adaptive's cost cells as chains
     # run (adaptive_worker.CHAINED_COSTS, on by default since) against the policy as it was
     # (the `_rawcost` modes), and with S7 among the candidates: the held-out prompts (where the
     # old one ran S5 at 1.10x plain beside the fixed S3's 1.30x), then the bench prompt at every
