@@ -1587,26 +1587,34 @@ def test_a_chain_observed_at_once_equals_its_steps_observed_in_turn(S, m, after)
     np.testing.assert_allclose(a.rates, b.rates)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,backend", [("cpu", None), ("cpu", "triton"),
+                                            pytest.param("cuda", None, marks=DEVICES[1].marks)])
 @pytest.mark.parametrize("alg", ["eagle", "eagle3"])
-def test_warm_catch_up_writes_only_the_padding_page(tiny_dir, deep_dir, alg, device):
-    """`warm_catch_up` (start-up on CUDA: the draft's extend at the catch-up's lengths, so
+def test_warm_catch_up_writes_only_the_padding_page(tiny_dir, deep_dir, alg, device, backend):
+    """`warm_catch_up` (start-up on CUDA: the draft's extend over the catch-up's range, so
     that no Triton kernel compiles inside a step) writes neither KV pool outside the padding
-    page nor req_to_token, allocates nothing, and greedy decoding after it equals plain."""
+    page nor req_to_token, allocates nothing, and greedy decoding after it equals plain; on
+    the CPU through the torch backend and (a few shapes: the interpreter is slow) the Triton
+    one, whose decode splits its keys past 64 of them."""
     d = tiny_dir if alg == "eagle" else deep_dir
     sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], list(range(20, 47))]
-    plain = [o.token_ids for o in tiny_engine(d, device=device).generate(prompts, sp)]
-    eng = tiny_engine(d, device=device, max_running_requests=4,
+    opts = {} if backend is None else dict(attention_backend=backend)
+    plain = [o.token_ids for o in tiny_engine(d, device=device, **opts).generate(prompts, sp)]
+    eng = tiny_engine(d, device=device, max_running_requests=4, **opts,
                       speculative=dict(algorithm=alg, draft_model="random", adaptive=True,
                                        shapes=((3, 1, 4),)))
     eng.generate(prompts[:1], sp)        # the pools hold a finished request's KV
     w = eng.runner
+    if backend == "triton":
+        assert type(w.drafter.backend).__name__ == "TritonAttentionBackend"
     pools = [w.res.kv_pool] + ([w.drafter.kv_pool] if w.drafter.kv_pool is not None else [])
     before = [p.kv.clone() for p in pools]
     r2t = w.res.req_to_token.req_to_token.clone()
-    w.warm_catch_up(((1, 1, 0), (3, 1, 100), (1, 17, 0), (1, 17, 128), (2, 65, 3)))
-    w.warm_catch_up()                  # the default set
+    w.warm_catch_up(((1, 1, 0), (3, 1, 100), (1, 1, 130), (1, 17, 0), (1, 17, 128),
+                     (2, 65, 3)))
+    if backend is None:
+        w.warm_catch_up()              # the default set
     for p, kv in zip(pools, before):
         page = p.page_size
         assert torch.equal(p.kv[:, :, page:], kv[:, :, page:])
