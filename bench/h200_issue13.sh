@@ -149,7 +149,7 @@ PY
       "$0" bench
     ;;
   ccost)
-    # 2026-12-06 (fourteenth session; run 15:33 in the fifteenth): adaptive's cost cells as chains
+    # 2026-12-06 (fourteenth session; run 15:25 in the fifteenth): adaptive's cost cells as chains
     # run (adaptive_worker.CHAINED_COSTS, on by default since) against the policy as it was
     # (the `_rawcost` modes), and with S7 among the candidates: the held-out prompts (where the
     # old one ran S5 at 1.10x plain beside the fixed S3's 1.30x), then the bench prompt at every

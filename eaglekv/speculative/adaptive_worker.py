@@ -74,7 +74,7 @@ EXPLORE_CHAIN = 8
 # (`python -m eaglekv.testing.adaptive_sim --learn`, the H100's costs after the decode-kernel
 # verify) it took held-out-like text from 0.875x to 0.958x the best fixed shape and text with
 # long hard stretches from 0.847x to 0.934x, bench-like text unchanged (0.982x / 0.981x). On
-# by default since 2026-12-06; on an H100 (15:35, `bench/h200_issue13.sh ccost`, one process,
+# by default since 2026-12-06; on an H100 (15:25, `bench/h200_issue13.sh ccost`, one process,
 # bench/results/gpu_bench_h100_20261206c_ccost_*.json) the first held-out prompt at batch 1
 # ran 1.31x plain with it and 1.11x without (the fixed S3 1.29x), the first four 0.99x / 1.14x
 # (one of three runs with a 1 s compile, below), the bench prompt 1.76x / 1.74x / 1.43x / 1.35x
