@@ -1085,7 +1085,9 @@ def decode_rate(phases: list[dict], batch: int, new_tokens: int,
 
 def table(result: dict, key: str = "tokens_per_s") -> str:
     """Markdown: `key` (tokens/s, or `decode_tokens_per_s`: the decode steps alone) per mode and
-    batch size (x plain in brackets)."""
+    batch size (x plain in brackets); a cell with a Triton compile (or cache load) inside one
+    of its timed runs is marked ` (jit)` (the runs' figures and `triton_jit_details` say
+    which)."""
     modes = result["modes"]
     bs = sorted({int(b) for m in modes.values() for b in m["rows"]})
     head = "tok/s" if key == "tokens_per_s" else "decode tok/s (prefill excluded)"
@@ -1103,7 +1105,8 @@ def table(result: dict, key: str = "tokens_per_s") -> str:
                 continue
             x = (f" ({r[key] / plain[b][key]:.2f}x)"
                  if name != base and b in plain and key in plain[b] else "")
-            cells.append(f"{r[key]:.1f}{x}")
+            jit = " (jit)" if any(r.get("triton_jit_loads") or []) else ""
+            cells.append(f"{r[key]:.1f}{x}{jit}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     floor = result.get("floor", {}).get("smollm2_shape", {}).get("compiled_graph_tok_s")
     if floor:

@@ -511,6 +511,11 @@ def test_decode_rate_leaves_the_prefill_out():
     assert "| eagle_chain_S5K1N6 | 2500.0 (2.50x) |" in text
     assert "| floor: torch.compile + one CUDA graph (same process) | 1100.0 |" in text
     assert "| eagle_chain_S5K1N6 | 1800.0 (2.00x) |" in table(result)
+    # a compile inside one of a cell's timed runs marks the cell (the empty runs do not)
+    result["modes"]["eagle_chain_S5K1N6"]["rows"][1]["triton_jit_loads"] = [[], ["_extend_kernel"]]
+    result["modes"]["plain"]["rows"][1]["triton_jit_loads"] = [[], []]
+    assert "| eagle_chain_S5K1N6 | 1800.0 (2.00x) (jit) |" in table(result)
+    assert "| plain | 900.0 |" in table(result)
 
 
 def test_chain_length_modes():
