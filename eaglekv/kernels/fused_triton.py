@@ -298,8 +298,10 @@ GEMV_CONFIG["max_tile"] = int(os.environ.get("EAGLEKV_GEMV_MAX_TILE", "0"))
 # under PDL; bench/results/llama8b_variants_h100_20261206c.json): 4 / 1024 / 4 ran the step in
 # 6.07 ms (82.3% of the weight-streaming roofline, 6.06 again after the variants), 8 rows a
 # program 5.89 ms (84.8%); 2 warps 83.5%, K tiles of 2048 83.5%, 2 rows 79.9%, 8 warps 72.4%,
-# K tiles of 512 74.7% (and 8 rows with 2 warps 83.1%, `..._bn8nw2_...json`). An explicit
-# block_n (or EAGLEKV_GEMV_WIDE=0: off) wins.
+# K tiles of 512 74.7% (and 8 rows with 2 warps 83.1%, `..._bn8nw2_...json`). One row of x
+# only, the case measured: with 2-4 rows the (rows, 8, BLOCK_K) product tile is the register
+# load of 4-8 rows at 4 (205-254 registers a thread for gate_up, bench/gemv_regs.py). An
+# explicit block_n (or EAGLEKV_GEMV_WIDE=0: off) wins.
 GEMV_WIDE_K = 4096 if os.environ.get("EAGLEKV_GEMV_WIDE", "1") != "0" else None
 GEMV_WIDE_BLOCK_N = 8
 
@@ -331,7 +333,7 @@ def gemv_tiling(M: int, K: int, block_n: int | None = None, block_k: int | None 
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, DOT) of the gemv for M rows of K: the register
     tile up to GEMV_BCAST_MAX_ROWS rows, the tensor-core tile (GEMV_DOT_CONFIG) above."""
     if M <= GEMV_BCAST_MAX_ROWS:
-        wide = GEMV_WIDE_K is not None and K >= GEMV_WIDE_K
+        wide = M == 1 and GEMV_WIDE_K is not None and K >= GEMV_WIDE_K
         return (_pow2(M), block_n or (GEMV_WIDE_BLOCK_N if wide else GEMV_CONFIG["block_n"]),
                 gemv_block_k(M, K, block_k), num_warps or GEMV_CONFIG["num_warps"], False)
     bk = min(block_k or GEMV_DOT_CONFIG["block_k"], max(16, _pow2(K)))

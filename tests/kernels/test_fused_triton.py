@@ -694,20 +694,20 @@ def _gemv_matches_reference(M: int, K: int = 300, N: int = 40) -> None:
 
 
 def test_gemv_wide_rows_take_more_rows_a_program(monkeypatch):
-    """Rows of K >= GEMV_WIDE_K (an 8B's) take GEMV_WIDE_BLOCK_N weight rows a program,
-    SmolLM2's widths the configured block_n; an explicit block_n wins, and off (None) every
-    width takes the configured one; the wide tiling matches the reference."""
+    """One row of K >= GEMV_WIDE_K (an 8B's) takes GEMV_WIDE_BLOCK_N weight rows a program,
+    SmolLM2's widths and 2-4 rows the configured block_n; an explicit block_n wins, and off
+    (None) every width takes the configured one; the wide tiling matches the reference."""
     from eaglekv.kernels import fused
     ft = fused._triton_impl()
     base = ft.GEMV_CONFIG["block_n"]
     assert [ft.gemv_tiling(1, K)[1] for K in (576, 1536, 4096, 14336)] == [
         base, base, ft.GEMV_WIDE_BLOCK_N, ft.GEMV_WIDE_BLOCK_N]
-    assert ft.gemv_tiling(4, 4096)[1] == ft.GEMV_WIDE_BLOCK_N != base
+    assert ft.gemv_tiling(2, 4096)[1] == ft.gemv_tiling(4, 4096)[1] == base != ft.GEMV_WIDE_BLOCK_N
     assert ft.gemv_tiling(1, 4096, block_n=2)[1] == 2
     assert ft.gemv_tiling(6, 4096)[1] == ft.GEMV_DOT_CONFIG["block_n"]   # the 5-16 row tile
     monkeypatch.setattr(ft, "GEMV_WIDE_K", 256)           # a small K through the wide tiling
-    assert ft.gemv_tiling(2, 300)[1] == ft.GEMV_WIDE_BLOCK_N
-    _gemv_matches_reference(2)
+    assert ft.gemv_tiling(1, 300)[1] == ft.GEMV_WIDE_BLOCK_N
+    _gemv_matches_reference(1)
     monkeypatch.setattr(ft, "GEMV_WIDE_K", None)
     assert ft.gemv_tiling(1, 14336)[1] == base
 
