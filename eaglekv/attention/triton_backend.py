@@ -31,6 +31,16 @@ from eaglekv.kernels.table_guard import guard_table_rows
 from eaglekv.memory import KVPool, ReqToTokenPool
 from eaglekv.model.rope import RotaryEmbedding
 
+# A decode's split-K count is a compile-time constant of `_decode_kernel`, and the graphs
+# capture it from the context limit. An eager decode (the draft's catch-up, a sampled request's
+# draft steps, a batch past the graphs) that took its count from the actual context met a new
+# count every 64 keys up to 1024, each compiled inside a step (~0.5 s on an H100 without
+# Triton's disk cache; found 2026-12-06). On CUDA every decode now sizes its splits by the
+# context limit, as the graphs do: one kernel per batch bucket; the splits past a request's
+# keys are empty (they return at once, the merge skips them). EAGLEKV_FIXED_DECODE_SPLITS=0
+# sizes them by the actual context again; the CPU (the interpreter: tests) always does.
+FIXED_DECODE_SPLITS = os.environ.get("EAGLEKV_FIXED_DECODE_SPLITS", "1") != "0"
+
 
 @dataclass
 class TritonAttnMetadata:
@@ -61,6 +71,7 @@ class TritonAttentionBackend(AttentionBackend):
         dev = kv_pool.k_buffer[0].device
         self.sm_count = (torch.cuda.get_device_properties(dev).multi_processor_count
                          if dev.type == "cuda" else 132)
+        self.fixed_decode_splits = FIXED_DECODE_SPLITS and dev.type == "cuda"
         if dev.type == "cuda":      # the fused decode merge's counters, before any capture
             from eaglekv.kernels.attention_triton import decode_tickets
             decode_tickets(dev)
@@ -84,7 +95,10 @@ class TritonAttentionBackend(AttentionBackend):
     def decode_metadata(self, kv_start: torch.Tensor, kv_len: torch.Tensor,
                         out_cache_loc: torch.Tensor, max_kv_len: int) -> TritonAttnMetadata:
         """One query per request over `kv_len[b]` keys; `max_kv_len` (a host bound, e.g. the
-        context limit in a graph) picks the split-K."""
+        context limit in a graph) picks the split-K, or the context limit itself when
+        `fixed_decode_splits` (CUDA: one compiled kernel per batch bucket)."""
+        if self.fixed_decode_splits:
+            max_kv_len = max(max_kv_len, self.width)
         splits = default_num_splits(kv_start.shape[0], self.kv_pool.kv_heads, max_kv_len,
                                     self.sm_count)
         return TritonAttnMetadata(kv_start=kv_start, out_cache_loc=out_cache_loc, kv_len=kv_len,

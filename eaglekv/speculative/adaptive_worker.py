@@ -96,6 +96,9 @@ CHAINED_COSTS = os.environ.get("EAGLEKV_ADAPTIVE_CHAINED_COSTS", "1") != "0"
 # extend at start-up once for each (requests, tokens a request, prefix) of
 # `catch_up_warm_shapes`, on the padding row (its table all the padding page) with every K/V
 # written to the padding page's first slot (`warm_catch_up`). EAGLEKV_WARM_CATCH_UP=0 skips it.
+# (Since the same day the Triton backend sizes every CUDA decode's splits by the context limit,
+# `triton_backend.FIXED_DECODE_SPLITS`, so the decodes here meet one split count; the extends
+# and row tiles still vary.)
 WARM_CATCH_UP = os.environ.get("EAGLEKV_WARM_CATCH_UP", "1") != "0"
 
 

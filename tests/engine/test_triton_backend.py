@@ -195,6 +195,7 @@ def test_chain_verify_route_default_and_limit():
         assert out == want, (env, out)
     be = object.__new__(tb.TritonAttentionBackend)
     be.width, be.kv_pool, be.sm_count = 256, SimpleNamespace(kv_heads=3), 8
+    be.fixed_decode_splits = False
 
     def route(b, n, chain=True):
         i = torch.zeros(b, dtype=torch.int64)
@@ -207,3 +208,39 @@ def test_chain_verify_route_default_and_limit():
     assert m.kv_start.tolist() == [7] * 64 and m.kv_start.is_contiguous()
     assert not route(16, 6).decode                   # 96 tokens: the extend kernel
     assert not route(2, 5, chain=False).decode      # a tree: always the extend kernel
+
+
+@pytest.mark.parametrize("kind", ["plain", "chain"])
+def test_fixed_decode_splits_one_kernel_per_batch(tiny_dir, reference, monkeypatch, kind):
+    """With `fixed_decode_splits` (on by default on CUDA; set here on the CPU interpreter) every
+    decode of a batch size takes the split count the graphs capture (from the context limit),
+    whatever its context, so an eager decode compiles no new `_decode_kernel`; a short context
+    is spread over more, smaller splits and the tokens stay the torch backend's."""
+    import eaglekv.attention.triton_backend as tb
+    from eaglekv.kernels.attention import default_num_splits
+    seen = []
+    real = tb.TritonAttentionBackend.attend
+
+    def spy(self, q, layer, meta, scale):
+        if meta.decode:
+            seen.append((self, meta.kv_len.shape[0], meta.num_splits, int(meta.kv_len.max())))
+        return real(self, q, layer, meta, scale)
+    monkeypatch.setattr(tb.TritonAttentionBackend, "attend", spy)
+    opts = dict(device=DEV, max_running_requests=4, attention_backend="triton",
+                max_context_len=256)
+    if kind == "chain":
+        opts["speculative"] = spec("eagle", 3, 1, 4)
+    engine = tiny_engine(tiny_dir, **opts)
+    backends = [engine.backend] + ([engine.runner.drafter.backend] if kind == "chain" else [])
+    assert tb.FIXED_DECODE_SPLITS and all(be.fixed_decode_splits == ON_GPU for be in backends)
+    for be in backends:
+        be.fixed_decode_splits = True
+    assert [o.token_ids for o in engine.generate(PROMPTS, SP)] == reference
+    engine.check_memory()
+    assert engine.allocator.is_full() and seen
+    for be, rows, splits, keys in seen:
+        want = default_num_splits(rows, be.kv_pool.kv_heads, be.width, be.sm_count)
+        assert splits == want, (rows, splits, want)
+    # not vacuous: decodes ran with more splits than their keys alone would have taken
+    assert any(splits > default_num_splits(rows, be.kv_pool.kv_heads, keys, be.sm_count)
+               for be, rows, splits, keys in seen)
