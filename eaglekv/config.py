@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
@@ -105,6 +106,15 @@ ADAPTIVE_ALGORITHMS = ("eagle", "eagle3")
 # on CUDA a verify of 8 costs little more than a decode step, so deeper chains and a tree
 ADAPTIVE_SHAPES = {"cpu": ((1, 1, 2), (3, 1, 4), (5, 1, 6)),
                    "cuda": ((3, 1, 4), (5, 1, 6), (4, 2, 8))}
+# and a deeper chain behind a gate (AdaptivePolicy.gated_depth): a candidate only while the
+# requests' acceptance at the deepest default's last position is high. The 7-step chain wins
+# on easy text (the bench prompt, an H100: fixed S7 1.95x plain at batch 1 against S5 1.75x;
+# the CPU 2.55x against 2.33x) and loses on the held-out prompts (-11% at batch 1 on the H100
+# when added ungated, 2026-12-06)
+# (EAGLEKV_ADAPTIVE_GATED=0: none)
+ADAPTIVE_GATED_SHAPES = ({"cpu": ((7, 1, 8),), "cuda": ((7, 1, 8),)}
+                         if os.environ.get("EAGLEKV_ADAPTIVE_GATED", "1") != "0"
+                         else {"cpu": (), "cuda": ()})
 
 
 @dataclass(frozen=True)
@@ -207,7 +217,15 @@ class SpecConfig:
             return ((self.num_steps, self.topk, self.num_draft_tokens),)
         if self.shapes is not None:
             return self.shapes
-        return ADAPTIVE_SHAPES["cuda" if device_type == "cuda" else "cpu"]
+        dev = "cuda" if device_type == "cuda" else "cpu"
+        return ADAPTIVE_SHAPES[dev] + ADAPTIVE_GATED_SHAPES[dev]
+
+    def gated_depth(self, device_type: str) -> int | None:
+        """Shapes deeper than this are gated (AdaptivePolicy.gated_depth): the deepest default
+        candidate's depth when the candidates are the device's defaults, else None."""
+        if not self.adaptive or self.shapes is not None:
+            return None
+        return max(S for S, _, _ in ADAPTIVE_SHAPES["cuda" if device_type == "cuda" else "cpu"])
 
     def hull(self, device_type: str) -> "SimpleNamespace":
         """num_steps / topk / num_draft_tokens large enough for every candidate shape: what

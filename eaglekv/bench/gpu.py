@@ -74,6 +74,9 @@ MODES = {"plain": None,
                                                         (4, 2, 8))),
          "adaptive_eagle3_gpu_s7": dict(algorithm="eagle3", adaptive=True,
                                         shapes=((3, 1, 4), (5, 1, 6), (7, 1, 8), (4, 2, 8))),
+         # the device's candidates before the gated 7-step chain joined them (2026-12-06)
+         "adaptive_eagle3_base": dict(algorithm="eagle3", adaptive=True,
+                                      shapes=((3, 1, 4), (5, 1, 6), (4, 2, 8))),
          # the CPU's candidates before the 7-step chain joined them (2026-12-06): S1, S3, S5
          "adaptive_cpu3": dict(adaptive=True, shapes=((1, 1, 2), (3, 1, 4), (5, 1, 6))),
          "adaptive_eagle3_cpu3": dict(algorithm="eagle3", adaptive=True,
@@ -262,7 +265,7 @@ ADAPTIVE_MODES = ("adaptive", "adaptive_eagle3", "adaptive_eagle3_trees", "adapt
                   "adaptive_random_draft", "adaptive_cpu3", "adaptive_eagle3_cpu3",
                   "adaptive_cpu3_random_draft", "adaptive_ccost", "adaptive_eagle3_ccost",
                   "adaptive_eagle3_gpu_s7_ccost", "adaptive_rawcost", "adaptive_eagle3_rawcost",
-                  "adaptive_eagle3_gpu_s7_rawcost")
+                  "adaptive_eagle3_gpu_s7_rawcost", "adaptive_eagle3_base")
 
 
 def split_mode(mode: str) -> tuple[str, str | None]:

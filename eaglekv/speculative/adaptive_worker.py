@@ -162,6 +162,7 @@ class AdaptiveWorker:
             costs = CostTable(cost_cache_path(self.identity()),
                               drop_first=res.device.type == "cuda")
         self.policy = AdaptivePolicy(shapes, costs)
+        self.policy.gated_depth = spec.gated_depth(res.device.type)
         # where the shapes' steps chain (CUDA graphs), a choice holds as many steps as the
         # longest chain takes, so the held steps run as one chain (each worker cuts it to its
         # own: 6 steps of S5, 5 of S6; held only for the shortest, S5 ran chains of 5 beside

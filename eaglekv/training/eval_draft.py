@@ -14,6 +14,8 @@ engine, in this process. The figures come from the requests' own SpecStats, summ
 `adaptive` in the shapes runs the engine's default instead (adaptive over the device's
 candidate shapes, plain decoding among its choices): its figures count its speculative steps,
 its tokens/s the whole run, and its row lists the engine steps per choice.
+`adaptive:S1K1N2/S3K1N4/S5K1N6` runs adaptive over those candidates only (no gated shape),
+e.g. beside the default in one process.
 
 At temperature 0 every speculative output must equal the plain one token for token; each one
 that does not is counted and listed. At T > 0 request i samples with seed `seed + i` in both
@@ -49,13 +51,28 @@ ADAPTIVE = "adaptive"
 def parse_shapes(text: str) -> list[tuple[int, int, int] | str]:
     """"S3K1N4,tree:S4K2N8" -> [(3, 1, 4), (4, 2, 8)]: (num_steps, topk, num_draft_tokens);
     the optional "chain:" / "tree:" must agree with topk (1: a chain). "adaptive": the engine's
-    default, choosing among the device's candidate shapes and plain decoding each step."""
+    default, choosing among the device's candidate shapes and plain decoding each step;
+    "adaptive:S3K1N4/S5K1N6": adaptive over those candidates -> ("adaptive", ((3, 1, 4),
+    (5, 1, 6)))."""
     shapes = []
     for item in text.split(","):
         if item.strip().lower() == ADAPTIVE:
             if ADAPTIVE in shapes:
                 raise ConfigError(f"--shapes {text!r} names adaptive twice")
             shapes.append(ADAPTIVE)
+            continue
+        head, _, rest = item.strip().partition(":")
+        if head.lower() == ADAPTIVE:
+            if not rest.strip():
+                raise ConfigError(f"--shapes item {item!r}: write adaptive:S3K1N4/S5K1N6")
+            cands = tuple(parse_shapes(rest.replace("/", ",")))
+            if any(not isinstance(c, tuple) or len(c) != 3 or isinstance(c[1], tuple)
+                   for c in cands):
+                raise ConfigError(f"--shapes item {item!r}: write adaptive:S3K1N4/S5K1N6")
+            entry = (ADAPTIVE, cands)
+            if entry in shapes:
+                raise ConfigError(f"--shapes {text!r} names {item.strip()} twice")
+            shapes.append(entry)
             continue
         m = SHAPE_RE.fullmatch(item.strip())
         if m is None:
@@ -161,7 +178,9 @@ def greedy_mismatches(spec: list[Output], plain: list[Output]) -> list[dict]:
 
 def shape_name(spec: SpecConfig) -> str:
     if spec.adaptive:
-        return ADAPTIVE
+        if spec.shapes is None:
+            return ADAPTIVE
+        return ADAPTIVE + ":" + "/".join(f"S{S}K{K}N{N}" for S, K, N in spec.shapes)
     kind = "chain" if spec.topk == 1 else "tree"
     return f"{kind}_S{spec.num_steps}K{spec.topk}N{spec.num_draft_tokens}"
 
@@ -243,6 +262,7 @@ def evaluate(base: EngineConfig, algorithm: str, draft: str, prompts: list[dict]
     if algorithm == "none":
         raise ConfigError("--spec none has no draft to evaluate; give eagle or eagle3")
     specs = [SpecConfig(alg, d, adaptive=True) if sh == ADAPTIVE else
+             SpecConfig(alg, d, adaptive=True, shapes=sh[1]) if sh[0] == ADAPTIVE else
              SpecConfig(alg, d, *sh, adaptive=False)
              for alg, d in [(algorithm, draft), *also] for sh in shapes]
     params = {T: [SamplingParams(max_new_tokens=max_new_tokens, temperature=T, seed=seed + i)

@@ -49,8 +49,13 @@ def test_adaptive_is_the_default_for_the_default_draft_only():
     a = SpecConfig(algorithm="eagle", draft_model="random", adaptive=True, shapes=[(2, 1, 3)])
     assert a.candidate_shapes("cpu") == ((2, 1, 3),)
     assert a.hull("cpu").num_steps == 2
-    cuda = SpecConfig(algorithm="eagle", draft_model="default").hull("cuda")
-    assert (cuda.num_steps, cuda.topk, cuda.num_draft_tokens) == (5, 2, 8)
+    assert a.gated_depth("cpu") is None                      # the user's candidates: no gate
+    d = SpecConfig(algorithm="eagle", draft_model="default")
+    cuda = d.hull("cuda")                                    # the gated S7 chain included
+    assert (cuda.num_steps, cuda.topk, cuda.num_draft_tokens) == (7, 2, 8)
+    assert d.candidate_shapes("cuda") == ((3, 1, 4), (5, 1, 6), (4, 2, 8), (7, 1, 8))
+    assert d.candidate_shapes("cpu") == ((1, 1, 2), (3, 1, 4), (5, 1, 6), (7, 1, 8))
+    assert d.gated_depth("cuda") == d.gated_depth("cpu") == 5
 
 
 @pytest.mark.parametrize("options,words", [
@@ -142,6 +147,31 @@ def test_choice_follows_costs_and_acceptance():
     r = FakeReq()
     expensive.state(r).rates[:] = 0.9
     assert expensive.choose([r]).shape is None
+
+
+@pytest.mark.parametrize("B", [1, 2], ids=["batch1", "batch2"])
+def test_a_gated_shape_is_a_candidate_only_while_the_gated_depth_accepts(B):
+    """`gated_depth` 5: S7 is neither explored nor chosen while the batch's mean rate at draft
+    position 5 is below `gate_rate`, though its estimate would win (flat rates 0.3: S7 3.1
+    tokens for 1.35 plain steps against S5's 2.5 for 1.3); at 0.95 it is chosen, and with its
+    cost unknown it is explored first. Ungated, S7 wins at 0.3 too."""
+    S5, S7 = Shape(5, 1, 6), Shape(7, 1, 8)
+    costs = {PLAIN: 1.0, S3.label: 1.2, S5.label: 1.3, S7.label: 1.35}
+
+    def choose(rate, gated=True, known=True):
+        p = policy(costs if known else {k: v for k, v in costs.items() if k != S7.label},
+                   shapes=(S3, S5, S7))
+        p.gated_depth = 5 if gated else None
+        reqs = [FakeReq() for _ in range(B)]
+        for r in reqs:
+            p.state(r).rates[:] = rate
+        return p.choose(reqs)
+    assert choose(0.3).shape == S5 and choose(0.3, gated=False).shape == S7
+    assert choose(0.95).shape == S7
+    closed, opened = choose(0.3, known=False), choose(0.95, known=False)
+    assert closed.shape == S5 and not closed.explore
+    assert opened.shape == S7 and opened.explore
+    assert choose(0.49).shape == S5 and choose(0.5).shape == S7      # the gate: rate >= 0.5
 
 
 class BudgetReq(FakeReq):     # and the budget a request has left

@@ -37,8 +37,11 @@ def test_parse_shapes_and_temperatures():
                                                                       (4, 2, 8)]
     assert eval_draft.parse_shapes(" chain:s1k1n2 ") == [(1, 1, 2)]
     assert eval_draft.parse_shapes("S3K1N4, Adaptive") == [(3, 1, 4), "adaptive"]
+    assert eval_draft.parse_shapes("adaptive,adaptive:S1K1N2/tree:S4K2N8") == [
+        "adaptive", ("adaptive", ((1, 1, 2), (4, 2, 8)))]
     for bad in ("S3K1", "tree:S3K1N4", "chain:S4K2N8", "S3K1N4,S3K1N4", "adaptive,adaptive",
-                "adaptive2"):
+                "adaptive2", "adaptive:", "adaptive:S3K1N4/adaptive", "adaptive:S3K1",
+                "adaptive:S3K1N4,adaptive:S3K1N4"):
         with pytest.raises(ConfigError, match="--shapes"):
             eval_draft.parse_shapes(bad)
     assert eval_draft.parse_temperatures("1e-9,0.7") == [0.0, 0.7]    # below 1e-5: greedy
@@ -128,17 +131,23 @@ def test_figures_agree_and_greedy_is_lossless(tiny_dir, reference):
 def test_adaptive_is_measured_like_a_shape(tiny_dir):
     """`--shapes ...,adaptive`: the engine's default (adaptive over the device's candidates)
     runs the same prompts against the same plain run: greedy identical to plain, its steps per
-    choice recorded (plain steps among them), rates up to its deepest candidate (S5 on the
-    CPU); a fixed shape's row has no choices."""
+    choice recorded (plain steps among them), rates up to its deepest candidate (the gated S7
+    on the CPU, which a random head's drafts never open); a fixed shape's row has no choices.
+    `adaptive:S1K1N2/S3K1N4` chooses among those only."""
     base = EngineConfig(model=str(tiny_dir), max_total_tokens=2048, max_running_requests=2)
-    res = eval_draft.evaluate(base, "eagle", "random", PROMPTS_KINDS, [(3, 1, 4), "adaptive"],
+    res = eval_draft.evaluate(base, "eagle", "random", PROMPTS_KINDS,
+                              [(3, 1, 4), "adaptive", ("adaptive", ((1, 1, 2), (3, 1, 4)))],
                               [0.0], NEW, log=lambda m: None)
-    fixed, adaptive = res["runs"]
+    fixed, adaptive, two = res["runs"]
     assert (fixed["shape"], adaptive["shape"]) == ("chain_S3K1N4", "adaptive")
+    assert two["shape"] == "adaptive:S1K1N2/S3K1N4" and len(two["position_rates"]) == 3
+    assert {c.removesuffix("+plain") for c in two["choices"]} <= {"plain", "S1K1N2", "S3K1N4"}
+    assert two["greedy_mismatches"] == 0
     assert "choices" not in fixed and adaptive["num_steps"] is None
     assert sum(adaptive["choices"].values()) > 0
-    assert set(adaptive["choices"]) <= {"plain", "S1K1N2", "S3K1N4", "S5K1N6"}
-    assert len(adaptive["position_rates"]) == 5
+    assert ({c.removesuffix("+plain") for c in adaptive["choices"]}
+            <= {"plain", "S1K1N2", "S3K1N4", "S5K1N6"})
+    assert len(adaptive["position_rates"]) == 7
     assert adaptive["greedy_mismatches"] == 0 and adaptive["tokens_per_s"] > 0
     text = eval_draft.table({**res, "model": "m"})
     line = next(x for x in text.splitlines() if x.startswith("adaptive"))
