@@ -146,14 +146,14 @@ PY
   table)
     # 2026-12-06 (fifteenth session, not yet run): the must-show table in one call for
     # when an H200 is lent (stage the model and the EAGLE-3 head first, as for `ccost`)
-    # (the adaptive default since the seventeenth session has the gated S7 chain;
+    # (the adaptive default since the sixteenth session has the gated S7 chain;
     # adaptive_eagle3_base is the default before it)
     MODES=${MODES:-plain,eagle3_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_chain_S7K1N8,eagle3_tree_S4K2N8,adaptive_eagle3,adaptive_eagle3_base} \
       BATCHES=${BATCHES:-1,4,16,64} REPEATS=${REPEATS:-2} BENCH_TIMEOUT=${BENCH_TIMEOUT:-560} \
       "$0" bench
     ;;
   gate)
-    # 2026-12-06 (seventeenth session): the adaptive default with the 7-step chain behind its
+    # 2026-12-06 (sixteenth session): the adaptive default with the 7-step chain behind its
     # gate (config.ADAPTIVE_GATED_SHAPES) against the default before it, on the held-out
     # prompts (where ungated S7 lost), with the floor in the same process
     MODES=${MODES:-plain,eagle3_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_chain_S7K1N8,adaptive_eagle3,adaptive_eagle3_base} \

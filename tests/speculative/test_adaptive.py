@@ -91,8 +91,12 @@ def test_cost_table_cells_estimates_and_cache(tmp_path):
     assert t.get(S3.label, 3) == pytest.approx(0.03 * 0.04 / 0.025)
     assert t.get(S3.label, 64) is None                 # plain unknown there: no estimate
     assert bucket(3) == 4 and bucket(1) == 1 and bucket(64) == 64 and bucket(65) == 128
-    again = CostTable(path)                            # what was seeded reached the disk
-    assert again.known(PLAIN, 1) and again.known(S3.label, 2)
+    again = CostTable(path)                            # what was seeded reached the disk,
+    assert again.get(PLAIN, 3) is None and not again.known(PLAIN, 1)   # one short of known:
+    again.observe(PLAIN, 1, 0.5)                       # a busy moment's step: the cache's kept
+    assert again.known(PLAIN, 1) and again.get(PLAIN, 1) == pytest.approx(0.021)
+    again.observe(S3.label, 2, 0.01)                   # a cache written while busy: replaced
+    assert again.known(S3.label, 2) and again.get(S3.label, 2) == pytest.approx(0.01)
     path.write_text("{not json")
     assert CostTable(path).cells == {}                 # a damaged cache is not trusted
     path.write_text(json.dumps({"version": -1, "cells": {"plain@1": [1.0, 9]}}))
