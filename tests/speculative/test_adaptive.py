@@ -1089,6 +1089,11 @@ def test_held_chains_of_a_batch_with_uneven_budgets(tiny_dir, monkeypatch, chain
     row's list until 2026-12-05.)"""
     from eaglekv.speculative.graphs import SpecStepGraphs
     monkeypatch.setenv("EAGLEKV_TRITON_ON_CPU", "1")
+    # no cost cache: the acceptance an earlier test's engine saved there (the session's cache
+    # dir) would be this engine's prior, and a low one makes its first choices optimistic
+    # ones, which the per-step settings do not hold (failed so in a clean-clone run on
+    # 2026-12-06, after other tests' engines changed what they save)
+    monkeypatch.setenv("EAGLEKV_CACHE", "")
     budgets = [9, 16, 13]
     plain = tiny_engine(tiny_dir, max_running_requests=3)
     make_predictable(plain, 0.0, 0.0)       # the bigram target, every draft token right
