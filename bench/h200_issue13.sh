@@ -16,8 +16,8 @@
 #   bench/h200_issue13.sh table   # issue 13's whole table as shipped, one process (~7 min):
 #                                 # plain, the EAGLE-3 chains S3/S5/S7 and tree S4K2N8, the
 #                                 # adaptive default, batch 1-64, HF, the 8B row, the floor
-#   bench/h200_issue13.sh gate    # the adaptive default (S7 behind a gate) vs before it, held-out
-#                                 # prompts at batch 1 and 4, the floor in the same process
+#   bench/h200_issue13.sh gate    # the adaptive default (S7 behind a gate) vs before it: held-out
+#                                 # prompts at batch 1 and 4, the bench prompt at 1-64
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
 #                                 # (the whole suite takes ~7 min on an H100: split it, e.g.
 #                                 # tests/kernels, then tests/speculative tests/engine ...)
@@ -154,11 +154,16 @@ PY
     ;;
   gate)
     # 2026-12-06 (sixteenth session): the adaptive default with the 7-step chain behind its
-    # gate (config.ADAPTIVE_GATED_SHAPES) against the default before it, on the held-out
-    # prompts (where ungated S7 lost), with the floor in the same process
-    MODES=${MODES:-plain,eagle3_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_chain_S7K1N8,adaptive_eagle3,adaptive_eagle3_base} \
-      PROMPTS=bench/data/heldout_prompts_smollm2.json NEW_TOKENS=128 BATCHES=${BATCHES:-1,4} \
-      REPEATS=3 BENCH_TIMEOUT=${BENCH_TIMEOUT:-400} LLAMA8B=" " "$0" bench
+    # gate (config.ADAPTIVE_GATED_SHAPES) against the default before it (adaptive_eagle3_base),
+    # as `ccost`: the held-out prompts (where ungated S7 lost), then the bench prompt at every
+    # batch (where the fixed S7 wins)
+    base="$OUT"
+    mkdir -p "$base/heldout" "$base/bench"
+    OUT="$base/heldout" MODES=${MODES_HELDOUT:-plain,eagle3_chain_S3K1N4,eagle3_chain_S5K1N6,adaptive_eagle3,adaptive_eagle3_base} \
+      PROMPTS=bench/data/heldout_prompts_smollm2.json NEW_TOKENS=128 BATCHES=1,4 REPEATS=3 \
+      BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} LLAMA8B=" " FLOOR=0 "$0" bench
+    OUT="$base/bench" MODES=${MODES_BENCH:-plain,eagle3_chain_S5K1N6,eagle3_chain_S7K1N8,adaptive_eagle3,adaptive_eagle3_base} \
+      BATCHES=1,4,16,64 REPEATS=2 BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} LLAMA8B=" " FLOOR=0 "$0" bench
     ;;
   ccost)
     # 2026-12-06 (fourteenth session; run 15:25 in the fifteenth): adaptive's cost cells as chains
