@@ -187,23 +187,26 @@ def run_adaptive(policy: AdaptivePolicy, seed: int, tokens: int, mech: Mechanics
 
 def compare(requests: int = 40, tokens: int = 256, mech: Mechanics | None = None,
             policy_options: dict | None = None, text_options: dict | None = None,
-            learn: bool = False, chained_costs: bool = False, warmup: int = 0) -> dict:
+            learn: bool = False, chained_costs: bool = False, warmup: int = 0,
+            shapes=SHAPES, gated_depth: int | None = None) -> dict:
     """Adaptive (one policy across the requests, as an engine keeps it, with the settings
     AdaptiveWorker gives it under chains unless `policy_options` says otherwise) against
     each fixed shape and plain chains, over the same texts: their total ms and the ratios.
     `learn` / `chained_costs`: `run_adaptive`'s; `warmup`: requests the policy serves first,
-    not counted (an engine's earlier requests and its cost cache on disk)."""
+    not counted (an engine's earlier requests and its cost cache on disk); `shapes` the
+    candidates, `gated_depth` the policy's gate (AdaptivePolicy.gated_depth)."""
     mech = mech or Mechanics()
     opts = {**AdaptivePolicy.CHAINED, **(policy_options or {})}   # as AdaptiveWorker sets
-    policy = AdaptivePolicy(list(SHAPES), CostTable(drop_first=True) if learn
+    policy = AdaptivePolicy(list(shapes), CostTable(drop_first=True) if learn
                             else mech.costs())                      # them under chains
     for name, value in opts.items():
         setattr(policy, name, value)
+    policy.gated_depth = gated_depth
     # as AdaptiveWorker: held for the longest chain, each shape cutting it to its own
-    policy.hold_spec = max(policy.hold_spec, max(mech.chain_steps(s) for s in SHAPES) - 1)
+    policy.hold_spec = max(policy.hold_spec, max(mech.chain_steps(s) for s in shapes) - 1)
     fixed = {s.label: sum(run_fixed(s, seed, tokens, mech, text_options)
                           for seed in range(requests))
-             for s in SHAPES}
+             for s in shapes}
     plain = requests * (tokens * mech.plain_token_ms + -(-tokens // mech.decode_steps)
                         * mech.sync_ms)
     for seed in range(requests, requests + warmup):        # other texts of the same kind
@@ -234,7 +237,26 @@ if __name__ == "__main__":
            "settings": {"as shipped under chains": {}, "before 2026-12-06": {
                "shrink": 0.0, "alpha": 0.3, "hold_all": False, "engine_after": 0}},
            "results": {}}
-    if "--learn" in sys.argv:
+    if "--gate" in sys.argv:
+        # the 7-step chain among the candidates, ungated and behind the gate at depth 5
+        # (config.ADAPTIVE_GATED_SHAPES), the cost table learnt, at the H100's batch-1 costs
+        # after the decode-kernel verify with S7's step ~0.33 ms past S5's (S3 -> S5 cost that)
+        mech = Mechanics(step_ms={"S3K1N4": 1.03, "S5K1N6": 1.355, "S4K2N8": 1.75,
+                                  "S7K1N8": 1.68}, sync_ms=0.6)
+        s7 = (*SHAPES, Shape(7, 1, 8))
+        texts = {"bench-like": {}, "heldout-like": HELDOUT_LIKE, "flat": texts["flat"],
+                 **{k: texts[k] for k in ("longer-dips", "poor", "random")}}
+        out["device"] += " (after the decode-kernel verify), the cost table learnt"
+        settings = {"S3, S5, S4K2N8 (before)": {},
+                    "and S7, ungated": dict(shapes=s7),
+                    "and S7, gated at depth 5 (shipped)": dict(shapes=s7, gated_depth=5)}
+        out["settings"] = {k: {n: ([sh.label for sh in v] if n == "shapes" else v)
+                               for n, v in o.items()} for k, o in settings.items()}
+        for name, opts in settings.items():
+            out["results"][name] = {t: compare(24, 128, mech, text_options=kw, warmup=24,
+                                               learn=True, chained_costs=True, **opts)
+                                    for t, kw in texts.items()}
+    elif "--learn" in sys.argv:
         # the cost table learnt as AdaptiveWorker learns it (after 24 requests of warm-up, as
         # an engine with its cost cache), with and without chained costs, at the H100's batch-1
         # costs after the decode-kernel verify (2026-12-06 14:00: chains of 8 S3 steps 8.85 ms,
