@@ -659,7 +659,13 @@ def jit_loads():
 def run_modes(args, modes: list[str], batches: list[int]) -> dict:
     """Every mode's engine first, warmed up at every batch size; then `repeats` rounds, each
     running every mode at every batch size in turn; then the per-step profiles."""
-    engines = {m: make_engine(args, m, max(batches)) for m in modes}
+    engines, build_s = {}, {}
+    for m in modes:      # start-up: weights, KV pool, every CUDA graph's capture
+        sync()
+        t = time.perf_counter()
+        engines[m] = make_engine(args, m, max(batches))
+        sync()
+        build_s[m] = time.perf_counter() - t
     waves = getattr(args, "waves", 1)      # > 1: B requests in flight, B * waves in all
     source = getattr(args, "prompts", None)
     ps = {B: prompts(next(iter(engines.values())), B * waves, source) for B in batches}
@@ -727,7 +733,8 @@ def run_modes(args, modes: list[str], batches: list[int]) -> dict:
                 with mode_checks(m):
                     row["step_profile"] = step_profile(eng, ps[B][:B])
             rows[B] = row
-        out[m] = {"rows": rows, "cuda_graphs": graph_replays(eng)}
+        out[m] = {"rows": rows, "cuda_graphs": graph_replays(eng),
+                  "engine_build_s": round(build_s[m], 3)}
         policy = getattr(eng.runner, "policy", None)
         if policy is not None:
             out[m]["cost_table_ms"] = {k: 1e3 * v[0] for k, v in policy.costs.cells.items()}

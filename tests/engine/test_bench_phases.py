@@ -582,3 +582,15 @@ def test_cpu_bench_with_speculation(adaptive):
         assert sum(sp["choices"].values()) > 0
     else:
         assert (sp["num_steps"], sp["topk"], sp["num_draft_tokens"]) == (3, 1, 4)
+
+
+def test_run_modes_reports_each_engines_start_up(tiny_dir):
+    """Each mode's row carries its engine's build time (weights, KV pool and, on CUDA, every
+    graph's capture: what a bigger candidate set costs at start-up) and the timed runs."""
+    from eaglekv.bench import gpu
+    args = SimpleNamespace(new_tokens=6, model=str(tiny_dir), dtype="float32", device="cpu",
+                           disable_cuda_graph=True, draft="default", repeats=1, out=None)
+    out = gpu.run_modes(args, ["plain"], [1, 2])
+    assert out["plain"]["engine_build_s"] > 0
+    assert sorted(out["plain"]["rows"]) == [1, 2]
+    assert all(r["tokens_per_s"] > 0 for r in out["plain"]["rows"].values())
