@@ -216,7 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "decode and verify graphs captured checked and unchecked, replayed in "
                    "alternation (what the index checks cost a step, device side)")
     b.add_argument("--llama8b", action="store_true", help="--device cuda: add the decode "
-                   "step of a Llama-3.1-8B shape (random weights) against its roofline")
+                   "step of a Llama-3.1-8B shape (random weights) against its roofline, "
+                   "measured before the modes' engines are built")
+    b.add_argument("--llama8b-after", action="store_true", help="with --llama8b: measure it "
+                   "again after the modes (the same process once every engine has run)")
     t = sub.add_parser("train-draft", help="train an EAGLE-1/2 draft head by self-distillation "
                        "(`prompts` on the CPU, then `train`)", description=TRAIN_DRAFT_DESCRIPTION)
     train_draft_args(t)
