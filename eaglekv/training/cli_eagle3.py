@@ -193,7 +193,9 @@ def cmd_train_eagle3(args, seqs: list[dict], command_line: str, out) -> dict:
     if eval_ids:
         log["held_out_saved_bf16"] = evaluate_eagle3(head, tg, data, eval_ids, steps=args.ttt_steps,
                                                      max_tokens=args.max_tokens, amp=args.amp)
-        out(f"held-out (saved weights): {log['held_out_saved_bf16']['accept_length']}")
+        ho = log["held_out_saved_bf16"]
+        out(f"held-out (saved weights): {ho['accept_length']}; walked as served "
+            f"{ho['accept_length_walked']}")
     log["total_seconds"] = round(time.time() - t_start, 1)
     if args.log:
         Path(args.log).parent.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,8 @@ def evaluate_eagle3(head, tg: Targets, data, which, *, steps: int, max_tokens: i
     head.eval()
     tot, n = {}, 0
     hits, count = torch.zeros(steps), 0
+    walk_S = [S for S in WALK_DRAFTS if S <= steps]
+    walked = {S: [] for S in walk_S}
     for b in batches(data, which, max_tokens, random.Random(0), shuffle=False):
         ids, aux, tl, argmax, mask = tg.batch(data, b)
         _, st, ok = ttt_loss(head, tg.embed, ids, aux, tl, argmax, mask, steps=steps, amp=amp)
@@ -58,11 +60,45 @@ def evaluate_eagle3(head, tg: Targets, data, which, *, steps: int, max_tokens: i
             full &= torch.tensor([data.seqs[i]["greedy"] for i in b], device=full.device)[:, None]
         hits += ok[:, full].float().sum(-1).cpu()
         count += int(full.sum())
+        okh = ok.cpu().numpy()
+        for j, i in enumerate(b):
+            seq = data.seqs[i]
+            if greedy_only and not seq["greedy"]:
+                continue
+            for S in walk_S:
+                walked[S] += served_walk(okh[:, j], seq["n_prompt"] - 1, len(seq["ids"]), S)
     head.train()
     rates = (hits / max(count, 1)).tolist()
     return ({k: v / max(n, 1) for k, v in tot.items()}
             | {"tokens": n, "chain_positions": count, "p_first_s_accepted": rates,
-               "accept_length": {s: 1.0 + sum(rates[:s]) for s in range(1, steps + 1)}})
+               "accept_length": {s: 1.0 + sum(rates[:s]) for s in range(1, steps + 1)},
+               # as a served engine walks the text (what eval-draft measures)
+               "accept_length_walked": {S: sum(w) / max(len(w), 1) for S, w in walked.items()}})
+
+
+# the chain lengths whose served walk `evaluate_eagle3` reports
+WALK_DRAFTS = (3, 5, 7)
+
+
+def served_walk(ok, start: int, length: int, S: int, budget: int | None = None) -> list[int]:
+    """The accept lengths of the greedy chains of S drafts a served engine runs over a text
+    of `length` tokens whose prompt ends at index `start` (n_prompt - 1). ok (steps, n): one
+    sequence's chain_ok from `ttt_loss` (ok[k, p]: drafts 0..k of a chain at index p are all
+    the target's argmax). A chain at index p (its first draft reads token p+1 and the feature
+    of p, as after a verify whose bonus token is p+1) accepts 1 + its leading right drafts;
+    the next chain starts past them. Offline accept lengths average every position; served
+    chains start where the last one ended, after a miss more often than not. Chains whose
+    drafts would pass the text's end are left out; `budget`: stop once the output (its first
+    token from the prefill included) has that many tokens, as max_new_tokens does."""
+    p, out, got = start, 1, []
+    while p + 1 + S < length and (budget is None or out < budget):
+        k = 0
+        while k < S and ok[k, p]:
+            k += 1
+        got.append(1 + k)
+        p += 1 + k
+        out += 1 + k
+    return got
 
 
 def save_state(path, head, opt, state: dict) -> None:
@@ -147,7 +183,9 @@ def train_eagle3(head, tg: Targets, data, train_ids, eval_ids, *, steps: int, lr
                 ev.update(step=st["step"], t=round(elapsed(), 1))
                 st["held_out"].append(ev)
                 out(f"[eval] step {st['step']} loss {ev['loss']:.3f} accept "
-                    + " ".join(f"S{s}:{a:.2f}" for s, a in ev["accept_length"].items()))
+                    + " ".join(f"S{s}:{a:.2f}" for s, a in ev["accept_length"].items())
+                    + "; walked as served "
+                    + " ".join(f"S{s}:{a:.2f}" for s, a in ev["accept_length_walked"].items()))
             if ckpt and now - last_ckpt > ckpt_every_s:
                 last_ckpt = now
                 save_state(ckpt, head, opt, {**st, "elapsed": elapsed()})
