@@ -492,9 +492,9 @@ def _step_profile(engine: Engine, ps: list[list[int]], steps: int, new_tokens: i
         engine.step()
     sync()
     cp.disable()
-    phases = phase_profile(engine, steps)
     for r in reqs:
         engine.abort(r)
+    phases = phase_profile(engine, steps, ps, params)
     preempted = engine.num_preemptions - preempted
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     layers = engine.model_config.num_layers
@@ -511,17 +511,29 @@ def _step_profile(engine: Engine, ps: list[list[int]], steps: int, new_tokens: i
             **({"phase_ms_per_step": phases} if phases is not None else {})}
 
 
-def phase_profile(engine: Engine, steps: int) -> dict | None:
+def phase_profile(engine: Engine, steps: int, ps: list[list[int]] | None = None,
+                  params: SamplingParams | None = None) -> dict | None:
     """A speculative engine's device time a step per part (speculative/phases.py: draft,
     verify, accept, extend; `other`: the rest, e.g. plain steps), from `steps` steps run
     eagerly under the profiler: the whole-step graphs keep no marks, so for these steps they
     run their captured forward as ordinary launches over the same buffers (the kernels are
     the graph's; the launch gaps are not, so the parts are summed kernel times, not walls).
-    On the CPU, the parts' CPU time. None for a plain engine."""
+    On the CPU, the parts' CPU time. None for a plain engine.
+
+    With `ps`: over fresh requests of those prompts (`params`), each past its first tokens
+    before the profiled steps, so that no row has run out of budget in them (the step
+    profile's earlier steps do not eat into these); `rows_decoding` is the fewest rows that
+    entered a profiled step still decoding (fewer than len(ps): the figures are those of a
+    smaller batch). Until 2026-12-07 the parts came from the step profile's own requests
+    after 13 of their steps: at batch 1 a chain of ~30 tokens a step had run out of its 512
+    there, and the H200 table of 2026-12-06 shows S5's and the S4/K2/N8 tree's parts as 0."""
     from eaglekv.speculative.phases import PHASES, PREFIX
     worker = engine.worker
     if worker is None:
         return None
+    reqs = [engine.add_request(p, params) for p in (ps or [])]
+    while any(len(r.output_ids) < 3 and not r.finished for r in reqs):
+        engine.step()
     graphs = [g for w in (list(getattr(worker, "workers", {}).values()) or [worker])
               if (g := getattr(w, "step_graphs", None)) is not None and g.capture]
     cuda = torch.cuda.is_available()
@@ -529,13 +541,17 @@ def phase_profile(engine: Engine, steps: int) -> dict | None:
     for g in graphs:
         g.capture = False
     try:
+        decoding = len(reqs)
         with profile(activities=acts) as prof:
             for _ in range(steps):
+                decoding = min(decoding, sum(not r.finished for r in reqs))
                 engine.step()
             sync()
     finally:
         for g in graphs:
             g.capture = True
+    for r in reqs:
+        engine.abort(r)
     events = prof.events()
     total = (sum(e.device_time for e in events
                  if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else None)
@@ -547,6 +563,8 @@ def phase_profile(engine: Engine, steps: int) -> dict | None:
     out = {k: v / 1e3 / steps for k, v in out.items()}
     if total is not None:
         out["other"] = max(0.0, total / 1e3 / steps - sum(out.values()))
+    if reqs:
+        out["rows_decoding"] = decoding
     return out
 
 

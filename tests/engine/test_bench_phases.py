@@ -50,7 +50,8 @@ def test_step_profile_ranks_the_host_work(tiny_dir):
     # each part of the speculative step is marked (speculative/phases.py): on the CPU their
     # CPU time a step, the target's verify the largest; a plain engine reports none
     ph = prof["phase_ms_per_step"]
-    assert set(ph) == {"draft", "verify", "accept", "extend"}, ph
+    assert set(ph) == {"draft", "verify", "accept", "extend", "rows_decoding"}, ph
+    assert ph.pop("rows_decoding") == len(PROMPTS)
     assert all(v > 0 for v in ph.values()), ph
     assert ph["verify"] > ph["accept"]
     assert prof["timeline"] is None                    # no device timestamps on the CPU
@@ -58,6 +59,22 @@ def test_step_profile_ranks_the_host_work(tiny_dir):
     assert e.allocator.is_full()
     plain = step_profile(tiny_engine(tiny_dir, max_context_len=1024), PROMPTS, steps=2)
     assert "phase_ms_per_step" not in plain
+
+
+def test_phase_profile_runs_on_requests_that_still_decode(tiny_dir):
+    """The parts of a step are profiled over requests of their own: a budget of 12 tokens,
+    which the step profile's earlier steps use up (its first 3 tokens, then 3 x 3 steps of at
+    least one), still has the row decoding in each profiled step, each part measured (the H200 table of
+    2026-12-06 showed S5's parts as 0 at batch 1: its one request had finished)."""
+    from eaglekv.bench.gpu import step_profile
+    e = tiny_engine(tiny_dir, speculative=spec("eagle", 3, 1, 4), max_context_len=1024,
+                    max_total_tokens=4096)
+    prof = step_profile(e, PROMPTS[:1], steps=3, new_tokens=12)
+    ph = prof["phase_ms_per_step"]
+    assert all(ph[k] > 0 for k in ("draft", "verify", "accept", "extend")), ph
+    assert ph["rows_decoding"] == 1
+    e.check_memory()
+    assert e.allocator.is_full()
 
 
 def test_step_profile_reports_preemptions_of_a_small_pool(tiny_dir, monkeypatch):
