@@ -814,6 +814,20 @@ LLAMA8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                rope_theta=500000.0)
 
 
+@contextlib.contextmanager
+def patched(sets):
+    """Module attributes set to other values for a while: `sets` is [(module, name, value)],
+    each put back on leaving (a graph captured inside keeps what it read)."""
+    was = [(m, a, getattr(m, a)) for m, a, _ in sets]
+    try:
+        for m, a, v in sets:
+            setattr(m, a, v)
+        yield
+    finally:
+        for m, a, v in reversed(was):
+            setattr(m, a, v)
+
+
 def llama8b_row(context: int = 512, steps: int = 50) -> dict:
     """Decode step of a Llama-3.1-8B shape (random bf16 weights made on the device) replayed
     as a captured graph at batch 1, against weights / copy bandwidth."""
@@ -892,17 +906,13 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
     for name, sets in (("grope", grope), ("sp1", [(attn_mod, "MAX_SPLITS", 1)]),
                        ("grope_sp1", grope + [(attn_mod, "MAX_SPLITS", 1)]),
                        *tiling.items()):
-        was = [(m, a, getattr(m, a)) for m, a, _ in sets]
         try:
-            for m, a, v in sets:
-                setattr(m, a, v)
-            other = DecodeGraphs(model, backend, 1, context + steps + 8, progress=False)
+            with patched(sets):
+                other = DecodeGraphs(model, backend, 1, context + steps + 8, progress=False)
             variants[name] = [decode_step_s(other), decode_step_s(other)]
         except Exception as e:                          # noqa: BLE001 - costs this field only
             variants[name] = {"error": repr(e)}
         finally:
-            for m, a, v in was:
-                setattr(m, a, v)
             other = None
     variants["shipped_again"] = [decode_step_s(graphs), decode_step_s(graphs)]   # the drift
     rope = {"off": variants["shipped"], "on": variants["grope"]}
@@ -919,8 +929,7 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
             graphs.replay([7], [context], [row], np.array([context + 1]))
         sync()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    verify = {}
-    for N in (4, 8, 16):   # one verify of N chain nodes vs one decode step, both replayed
+    def verify_s(N: int) -> float:     # one verify of N chain nodes, replayed
         vg = VerifyGraphs(model, backend, 1, N, progress=False)
         pos = torch.arange(context, context + N, device="cuda")
         mask = torch.ones(N, N, dtype=torch.bool, device="cuda").tril()[None]
@@ -934,9 +943,29 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
             e1.record()
             sync()
             vt.append(e0.elapsed_time(e1) / 1e3)
-        verify[N] = {"ms": 1e3 * statistics.median(vt[5:]),
-                     "x_decode_step": statistics.median(vt[5:]) / step_s}
-        del vg
+        return statistics.median(vt[5:])
+
+    verify = {}
+    for N in (4, 8, 16):   # against one decode step
+        t = verify_s(N)
+        verify[N] = {"ms": 1e3 * t, "x_decode_step": t / step_s}
+    # A verify of 4 tokens cost 1.34-1.53 decode steps on the H100 and 2.02 on the H200
+    # (2026-12-06) where 8 tokens cost 1.03-1.11: its matmuls have 4 rows, the gemv kernel's
+    # register tile (4 rows x 4 weight rows x 1024 of K: ~128 fp32 products a thread), where 8
+    # rows go to cuBLAS. Variants (not yet run): the tile capped at 1024 or 2048 products a
+    # row block (GEMV_CONFIG max_tile), and cuBLAS from 2 rows (fused.GEMV_MAX_ROWS 1).
+    verify_variants = {}
+    for name, sets in (("max_tile1024", [(fused_triton, "GEMV_CONFIG",
+                                          {**fused_triton.GEMV_CONFIG, "max_tile": 1024})]),
+                       ("max_tile2048", [(fused_triton, "GEMV_CONFIG",
+                                          {**fused_triton.GEMV_CONFIG, "max_tile": 2048})]),
+                       ("cublas_from_2_rows", [(fused, "GEMV_MAX_ROWS", 1)])):
+        try:
+            with patched(sets):
+                t = verify_s(4)
+            verify_variants[name] = {"ms": 1e3 * t, "x_decode_step": t / step_s}
+        except Exception as e:                          # noqa: BLE001 - costs this field only
+            verify_variants[name] = {"error": repr(e)}
     bw = copy_bandwidth()
     roofline_s = weight_bytes / bw
     out = {"shape": "Llama-3.1-8B (random bf16 weights)", "context": context,
@@ -952,6 +981,7 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
            "kernels_per_step": len(kernels) / 5,
            "device_ms_per_step": sum(e.device_time for e in kernels) / 1e3 / 5,
            "kernel_top": kernel_top(kernels, 5), "verify_vs_decode": verify,
+           "verify4_variants_vs_decode": verify_variants,
            # one-step replays with the qkv gemv's RoPE epilogue off / on (two each, ms) and
            # the fraction of the roofline of the faster
            "gemv_rope_decode_ms": {k: [1e3 * t for t in v] if isinstance(v, list) else v

@@ -611,3 +611,20 @@ def test_run_modes_reports_each_engines_start_up(tiny_dir):
     assert out["plain"]["engine_build_s"] > 0
     assert sorted(out["plain"]["rows"]) == [1, 2]
     assert all(r["tokens_per_s"] > 0 for r in out["plain"]["rows"].values())
+
+
+def test_patched_puts_every_attribute_back():
+    """The bench's variants set module attributes while a graph captures (`patched`): each is
+    back after the block, an exception inside included, in reverse order (two settings of one
+    attribute leave the first value)."""
+    from eaglekv.bench.gpu import patched
+    from eaglekv.kernels import fused
+    rows, dot = fused.GEMV_MAX_ROWS, fused.GEMV_DOT_MAX_ROWS
+    with patched([(fused, "GEMV_MAX_ROWS", 1), (fused, "GEMV_DOT_MAX_ROWS", 16)]):
+        assert (fused.GEMV_MAX_ROWS, fused.GEMV_DOT_MAX_ROWS) == (1, 16)
+    assert (fused.GEMV_MAX_ROWS, fused.GEMV_DOT_MAX_ROWS) == (rows, dot)
+    with pytest.raises(RuntimeError):
+        with patched([(fused, "GEMV_MAX_ROWS", 2), (fused, "GEMV_MAX_ROWS", 3)]):
+            assert fused.GEMV_MAX_ROWS == 3
+            raise RuntimeError("inside")
+    assert fused.GEMV_MAX_ROWS == rows
