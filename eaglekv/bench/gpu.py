@@ -527,7 +527,6 @@ def phase_profile(engine: Engine, steps: int, ps: list[list[int]] | None = None,
     smaller batch). Until 2026-12-07 the parts came from the step profile's own requests
     after 13 of their steps: at batch 1 a chain of ~30 tokens a step had run out of its 512
     there, and the H200 table of 2026-12-06 shows S5's and the S4/K2/N8 tree's parts as 0."""
-    from eaglekv.speculative.phases import PHASES, PREFIX
     worker = engine.worker
     if worker is None:
         return None
@@ -552,19 +551,35 @@ def phase_profile(engine: Engine, steps: int, ps: list[list[int]] | None = None,
             g.capture = True
     for r in reqs:
         engine.abort(r)
-    events = prof.events()
-    total = (sum(e.device_time for e in events
-                 if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else None)
-    out = {name: 0.0 for name in PHASES}
-    for e in events:
-        if e.name.startswith(PREFIX) and e.name[len(PREFIX):] in out:
-            us = getattr(e, "device_time_total", 0.0) if cuda else e.cpu_time_total
-            out[e.name[len(PREFIX):]] += us
-    out = {k: v / 1e3 / steps for k, v in out.items()}
-    if total is not None:
-        out["other"] = max(0.0, total / 1e3 / steps - sum(out.values()))
+    out = phase_sums(prof.events(), cuda, steps)
     if reqs:
         out["rows_decoding"] = decoding
+    return out
+
+
+def phase_sums(events, cuda: bool, steps: int) -> dict:
+    """Milliseconds a step of each part marked `eaglekv::<part>` (speculative/phases.py) in a
+    profile's events: on CUDA the device time of the kernels launched inside the part's host
+    range (its CPU-side event's `device_time_total`), and `other` the rest of the kernels'
+    time; on the CPU the part's CPU time. A mark also appears on the device's timeline as a
+    user annotation whose `device_time_total` is its span, first kernel's start to last
+    one's end, idle gaps included: those are left out (until 2026-12-07 they were counted
+    too, so the parts of the eager steps profiled here read ~10x the step's device time)."""
+    from eaglekv.speculative.phases import PHASES, PREFIX
+    cpu = torch.autograd.DeviceType.CPU
+    out = {name: 0.0 for name in PHASES}
+    total = 0.0
+    for e in events:
+        mark = e.name.startswith(PREFIX)
+        if e.device_type != cpu:
+            if not mark:
+                total += e.device_time
+            continue
+        if mark and e.name[len(PREFIX):] in out:
+            out[e.name[len(PREFIX):]] += e.device_time_total if cuda else e.cpu_time_total
+    out = {k: v / 1e3 / steps for k, v in out.items()}
+    if cuda:
+        out["other"] = max(0.0, total / 1e3 / steps - sum(out.values()))
     return out
 
 

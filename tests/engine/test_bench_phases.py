@@ -628,3 +628,31 @@ def test_patched_puts_every_attribute_back():
             assert fused.GEMV_MAX_ROWS == 3
             raise RuntimeError("inside")
     assert fused.GEMV_MAX_ROWS == rows
+
+
+def test_phase_sums_count_kernels_not_the_marks_spans():
+    """On CUDA a part is the kernels launched in its host range: the same mark's device-side
+    annotation (its span, idle gaps included) is counted neither in the part nor in `other`
+    (counted, the H100 and H200 tables read S7's parts at ~59 ms a step where the step's
+    kernels took 5.3)."""
+    import torch
+
+    from eaglekv.bench.gpu import phase_sums
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def ev(name, dev, total=0.0, own=0.0, cpu_us=0.0):
+        return SimpleNamespace(name=name, device_type=dev, device_time_total=total,
+                               device_time=own, cpu_time_total=cpu_us)
+    events = [ev("eaglekv::draft", cpu, total=300.0, cpu_us=900.0),
+              ev("eaglekv::draft", cuda, total=4000.0, own=4000.0),   # the span
+              ev("eaglekv::verify", cpu, total=600.0, cpu_us=700.0),
+              ev("eaglekv::verify", cuda, total=5000.0, own=5000.0),
+              ev("_gemv_kernel", cuda, total=300.0, own=300.0),
+              ev("_gemv_kernel", cuda, total=600.0, own=600.0),
+              ev("_merge_kernel", cuda, total=100.0, own=100.0)]    # outside every part
+    got = phase_sums(events, True, steps=1)
+    assert got == pytest.approx({"draft": 0.3, "verify": 0.6, "accept": 0.0, "extend": 0.0,
+                                 "other": 0.1})
+    on_cpu = phase_sums([e for e in events if e.device_type == cpu], False, steps=2)
+    assert on_cpu == pytest.approx({"draft": 0.45, "verify": 0.35, "accept": 0.0,
+                                    "extend": 0.0})
