@@ -800,7 +800,10 @@ def graph_replays(engine: Engine) -> dict:
 def hf_row(args, ids: list[int]) -> dict:
     from eaglekv.bench.e2e import load_hf, time_hf
     hf = load_hf(args.model, getattr(torch, args.dtype), args.device)
-    time_hf(hf, ids, 8, args.device)
+    # one untimed run of the timed length: after a warm-up of 8 tokens the first 256-token run
+    # on the H200 still ran 15.0-17.7 tok/s against 43.6-47.1 after it (2026-12-06), and with
+    # 2 rounds the median is their mean
+    time_hf(hf, ids, args.new_tokens, args.device)
     runs = [time_hf(hf, ids, args.new_tokens, args.device) for _ in range(args.repeats)]
     del hf
     if torch.cuda.is_available():

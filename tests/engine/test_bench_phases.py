@@ -656,3 +656,16 @@ def test_phase_sums_count_kernels_not_the_marks_spans():
     on_cpu = phase_sums([e for e in events if e.device_type == cpu], False, steps=2)
     assert on_cpu == pytest.approx({"draft": 0.45, "verify": 0.35, "accept": 0.0,
                                     "extend": 0.0})
+
+
+def test_hf_row_warms_up_at_the_timed_length(monkeypatch):
+    """The HF row's untimed run is as long as the timed ones: its first 256-token run on the
+    H200 ran a third of the speed of the later ones after an 8-token warm-up."""
+    from eaglekv.bench import e2e, gpu
+    calls = []
+    monkeypatch.setattr(e2e, "load_hf", lambda *a: "hf")
+    monkeypatch.setattr(e2e, "time_hf", lambda hf, ids, n, dev: calls.append(n) or 10.0 * n)
+    args = SimpleNamespace(model="m", dtype="float32", device="cpu", new_tokens=256, repeats=3)
+    row = gpu.hf_row(args, [1, 2, 3])
+    assert calls == [256] * 4
+    assert row == {"tokens_per_s": 2560.0, "runs": [2560.0] * 3}
