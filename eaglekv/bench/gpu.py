@@ -221,6 +221,12 @@ MODES.update({f"{m}_{v}": MODES[m]
 MODES.update({f"{m}_vdec128": MODES[m] for m in ("eagle3_chain_S5K1N6", "eagle3_chain_S7K1N8",
                                                  "adaptive_eagle3")})
 
+# the gemv kernel's tile capped at 1024 products a row block (`_gt1k`) where its matmuls have
+# 2-4 rows: S3's 4-token verify at batch 1 and the default at batch 2-4 (the 4-row tile takes
+# 128 registers a thread, 205 with SiLU*mul: 2-4 programs an SM, bench/gemv_regs.py; the 8B
+# shape's 4-token verify cost 2.02 decode steps on the H200, 8 tokens 1.11)
+MODES.update({f"{m}_gt1k": MODES[m] for m in ("eagle3_chain_S3K1N4", "adaptive_eagle3")})
+
 # adaptive with its cost cells measured as each step ran (`_rawcost`: adaptive_worker.
 # CHAINED_COSTS off, as shipped before 2026-12-06 evening) or as chains run (`_ccost`: on, the
 # default since: exploring steps as whole chains, chains cut short by a budget's end not

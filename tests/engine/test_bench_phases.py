@@ -425,9 +425,11 @@ def test_xs1_modes_capture_the_unsplit_extend(monkeypatch):
     monkeypatch.setattr(gpu, "_make_engine", lambda args, mode, b: tiles.append(
         (mode, fused_triton.GEMV_CONFIG["max_tile"], fused.GEMV_MAX_ROWS)))
     monkeypatch.setitem(fused_triton.GEMV_CONFIG, "max_tile", 0)
-    for mode in ("plain_gt1k", "eagle_chain_S5K1N6_gemv8_gt1k", "plain"):
+    for mode in ("plain_gt1k", "eagle_chain_S5K1N6_gemv8_gt1k", "eagle3_chain_S3K1N4_gt1k",
+                 "adaptive_eagle3_gt1k", "plain"):
         gpu.make_engine(None, mode, 1)
     assert tiles == [("plain_gt1k", 1024, 4), ("eagle_chain_S5K1N6_gemv8_gt1k", 1024, 8),
+                     ("eagle3_chain_S3K1N4_gt1k", 1024, 4), ("adaptive_eagle3_gt1k", 1024, 4),
                      ("plain", 0, 4)]
     assert fused_triton.GEMV_CONFIG["max_tile"] == 0 and fused.GEMV_MAX_ROWS == 4
     xpdl = []
