@@ -974,16 +974,17 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
         t = verify_s(N)
         verify[N] = {"ms": 1e3 * t, "x_decode_step": t / step_s}
     # A verify of 4 tokens cost 1.34-1.53 decode steps on the H100 and 2.02 on the H200
-    # (2026-12-06) where 8 tokens cost 1.03-1.11: its matmuls have 4 rows, the gemv kernel's
-    # register tile (4 rows x 4 weight rows x 1024 of K: ~128 fp32 products a thread), where 8
-    # rows go to cuBLAS. Variants (not yet run): the tile capped at 1024 or 2048 products a
-    # row block (GEMV_CONFIG max_tile), and cuBLAS from 2 rows (fused.GEMV_MAX_ROWS 1).
+    # (2026-12-06) where 8 tokens cost 1.03-1.11: its 4-row matmuls ran the gemv kernel's
+    # register tile, 8 rows cuBLAS. Since 2026-12-07 2-4 rows at this K go to cuBLAS
+    # (fused.GEMV_ROWS_MAX_K); the variants: the gemv tile as before (`gemv_rows`), and capped
+    # at 1024 or 2048 products a row block (GEMV_CONFIG max_tile).
+    gemv_rows = [(fused, "GEMV_ROWS_MAX_K", None)]
     verify_variants = {}
-    for name, sets in (("max_tile1024", [(fused_triton, "GEMV_CONFIG",
-                                          {**fused_triton.GEMV_CONFIG, "max_tile": 1024})]),
-                       ("max_tile2048", [(fused_triton, "GEMV_CONFIG",
-                                          {**fused_triton.GEMV_CONFIG, "max_tile": 2048})]),
-                       ("cublas_from_2_rows", [(fused, "GEMV_MAX_ROWS", 1)])):
+    for name, sets in (("gemv_rows", gemv_rows),
+                       *((f"gemv_rows_max_tile{tile}",
+                          gemv_rows + [(fused_triton, "GEMV_CONFIG",
+                                        {**fused_triton.GEMV_CONFIG, "max_tile": tile})])
+                         for tile in (1024, 2048))):
         try:
             with patched(sets):
                 t = verify_s(4)

@@ -238,12 +238,25 @@ def column_major(w: torch.Tensor) -> torch.Tensor:
     return w.t().contiguous().t()
 
 
+# Matmuls of 2-4 rows take the gemv kernel only below this K (None: at any K). Its 2-4-row
+# register tile (4 weight rows x 1024 of K x the rows: 128 registers a thread at 4 rows, 205
+# with SiLU*mul, bench/gemv_regs.py) keeps 2-4 programs on an SM, and at the Llama-3.1-8B
+# shape's K (4096, 14336) a 4-token verify cost 2.02 decode steps on the H200 and 1.34-1.53 on
+# the H100 where 8 tokens, through cuBLAS, cost 1.11 and 1.03-1.07 (`--llama8b`'s
+# verify_vs_decode, 2026-12-04..06). So from K = 4096 cuBLAS takes them (chosen from those
+# figures; the 4-row cuBLAS time itself is the bench's `verify4_variants_vs_decode`, not yet
+# run). SmolLM2's K (576, 1536) keeps the kernel. EAGLEKV_GEMV_ROWS_MAX_K=0: no bound.
+GEMV_ROWS_MAX_K: int | None = (int(os.environ.get("EAGLEKV_GEMV_ROWS_MAX_K", "4096"))
+                               or None)
+
+
 def use_gemv(x: torch.Tensor, w: torch.Tensor, fused: bool = False) -> bool:
     """The gemv kernel takes this matmul: on for it (`gemv_on`; `fused`: with the norm
-    prologue), a decode-sized x (M <= GEMV_MAX_ROWS) on a Triton device and a column-major w
-    (see `column_major`)."""
+    prologue), a decode-sized x (M <= GEMV_MAX_ROWS; 2 rows or more only where K <
+    GEMV_ROWS_MAX_K) on a Triton device and a column-major w (see `column_major`)."""
     return (gemv_on(x.device, fused) and x.dim() == 2
             and 0 < x.shape[0] <= max(GEMV_MAX_ROWS, GEMV_DOT_MAX_ROWS)
+            and (x.shape[0] == 1 or GEMV_ROWS_MAX_K is None or x.shape[1] < GEMV_ROWS_MAX_K)
             and w.dim() == 2 and w.stride(0) == 1 and w.shape[1] > 1 and use_triton(x))
 
 

@@ -772,6 +772,22 @@ def test_gemv_takes_only_decode_rows_of_column_major_weights(monkeypatch):
         fused.gemv(randn(2, 64), randn(32, 8))
 
 
+def test_gemv_takes_several_rows_only_below_the_k_bound(monkeypatch):
+    """2-4 rows go to the gemv kernel only where K < GEMV_ROWS_MAX_K (4096: an 8B's 4-row
+    matmuls ran its register tile at half the bandwidth cuBLAS's 8 rows reached); one row at
+    any K; no bound with None (as before 2026-12-07)."""
+    from eaglekv.kernels import fused
+    monkeypatch.setattr(fused, "FUSE_GEMV", True)
+    assert fused.GEMV_ROWS_MAX_K == 4096
+    w_small, w_wide = fused.column_major(randn(4095, 8)), fused.column_major(randn(4096, 8))
+    assert fused.use_gemv(randn(4, 4095), w_small) and fused.use_gemv(randn(2, 4095), w_small)
+    assert fused.use_gemv(randn(1, 4096), w_wide)
+    assert not fused.use_gemv(randn(2, 4096), w_wide)
+    assert not fused.use_gemv(randn(4, 4096), w_wide)
+    monkeypatch.setattr(fused, "GEMV_ROWS_MAX_K", None)
+    assert fused.use_gemv(randn(4, 4096), w_wide)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_store_unchecked_equals_checked(dtype):
     """`guard.unchecked()` compiles rope_store_qkv with CHECK=False (a launch signature of its
