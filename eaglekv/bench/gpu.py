@@ -930,10 +930,10 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
     for name, sets in (("grope", grope), ("sp1", [(attn_mod, "MAX_SPLITS", 1)]),
                        ("grope_sp1", grope + [(attn_mod, "MAX_SPLITS", 1)]),
                        *tiling.items()):
-        try:
+        try:       # captured and replayed with the setting (a replay's host side reads some)
             with patched(sets):
                 other = DecodeGraphs(model, backend, 1, context + steps + 8, progress=False)
-            variants[name] = [decode_step_s(other), decode_step_s(other)]
+                variants[name] = [decode_step_s(other), decode_step_s(other)]
         except Exception as e:                          # noqa: BLE001 - costs this field only
             variants[name] = {"error": repr(e)}
         finally:
