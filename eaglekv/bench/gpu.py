@@ -927,6 +927,22 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
                            ("block_k", 512))}
     tiling.update({f"gemv_wide_block_n{v}": [(fused_triton, "GEMV_WIDE_BLOCK_N", v)]
                    for v in (4, 16)})
+    # the K tiles of 2048 (77.5% on the H200, 2026-12-06) with the RoPE epilogue and with 8
+    # warps; whole rows of K in one tile at 8 warps
+    k2048 = [(fused_triton, "GEMV_CONFIG", {**fused_triton.GEMV_CONFIG, "block_k": 2048})]
+    tiling.update({
+        "gemv_block_k2048_grope": k2048 + grope,
+        "gemv_block_k2048_nw8": [(fused_triton, "GEMV_CONFIG", {
+            **fused_triton.GEMV_CONFIG, "block_k": 2048, "num_warps": 8})],
+        "gemv_block_k4096_nw8": [(fused_triton, "GEMV_CONFIG", {
+            **fused_triton.GEMV_CONFIG, "block_k": 4096, "num_warps": 8})]})
+    # cuBLAS for the weights past 8 MB (fused.GEMV_*MAX_WEIGHT_BYTES): the bare ones (o, down)
+    # or all four (qkv and gate_up then with the separate norm and SiLU*mul kernels)
+    bare, every = ([(fused, "GEMV_BARE_MAX_WEIGHT_BYTES", 8 << 20)],
+                   [(fused, "GEMV_MAX_WEIGHT_BYTES", 8 << 20)])
+    tiling.update({"bare_cublas": bare, "all_cublas": every,
+                   "bare_cublas_block_k2048": bare + k2048,
+                   "bare_cublas_block_k2048_grope": bare + k2048 + grope})
     for name, sets in (("grope", grope), ("sp1", [(attn_mod, "MAX_SPLITS", 1)]),
                        ("grope_sp1", grope + [(attn_mod, "MAX_SPLITS", 1)]),
                        *tiling.items()):
@@ -969,6 +985,7 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
             vt.append(e0.elapsed_time(e1) / 1e3)
         return statistics.median(vt[5:])
 
+    parts = matmul_parts(model)
     verify = {}
     for N in (4, 8, 16):   # against one decode step
         t = verify_s(N)
@@ -1006,7 +1023,7 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
            "kernels_per_step": len(kernels) / 5,
            "device_ms_per_step": sum(e.device_time for e in kernels) / 1e3 / 5,
            "kernel_top": kernel_top(kernels, 5), "verify_vs_decode": verify,
-           "verify4_variants_vs_decode": verify_variants,
+           "verify4_variants_vs_decode": verify_variants, "matmul_parts": parts,
            # one-step replays with the qkv gemv's RoPE epilogue off / on (two each, ms) and
            # the fraction of the roofline of the faster
            "gemv_rope_decode_ms": {k: [1e3 * t for t in v] if isinstance(v, list) else v
@@ -1021,6 +1038,63 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
                                             if isinstance(v, list)}}
     del graphs, model, pool, backend
     torch.cuda.empty_cache()
+    return out
+
+
+def graph_us(fn, reps: int = 10) -> float:
+    """Mean microseconds of one replay of `fn` captured in a CUDA graph (after a warm-up)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    sync()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        g.replay()
+    e1.record()
+    sync()
+    return 1e3 * e0.elapsed_time(e1) / reps
+
+
+def matmul_parts(model) -> dict:
+    """Each of a layer's four matmuls at M = 1 over every layer's weight (so it streams from
+    HBM, not L2), in one graph: the gemv kernel at the shipped tiling (qkv and gate_up with
+    their add + RMSNorm prologue, gate_up with SiLU*mul, as in the step) against cuBLAS on
+    the same column-major weights (bare), in us a layer and TB/s of weight bytes."""
+    from eaglekv.kernels import fused
+    out = {}
+    for name in ("qkv", "o", "gate_up", "down"):
+        ws = [getattr(layer, name) for layer in model.layers]
+        K = ws[0].shape[0]
+        x, r = (torch.randn(1, K, device=ws[0].device, dtype=ws[0].dtype) for _ in range(2))
+        nw = torch.ones(K, device=ws[0].device, dtype=ws[0].dtype)
+        nbytes = ws[0].numel() * ws[0].element_size()
+        silu = name == "gate_up"
+
+        def kernel():
+            for w in ws:
+                if name in ("qkv", "gate_up"):
+                    fused._triton_impl().gemv_triton(x, r, nw, 1e-5, w, silu, fused._check_gemv)
+                else:
+                    fused.gemv(x, w)
+
+        def cublas():
+            for w in ws:
+                x @ w
+        row = {}
+        for path, fn in (("gemv", kernel), ("cublas", cublas)):
+            try:
+                us = graph_us(fn) / len(ws)
+                row[f"{path}_us"], row[f"{path}_TBps"] = us, nbytes / us / 1e6
+            except Exception as e:                     # noqa: BLE001 - costs this cell only
+                row[f"{path}_error"] = repr(e)
+        out[name] = row
     return out
 
 

@@ -250,14 +250,40 @@ GEMV_ROWS_MAX_K: int | None = (int(os.environ.get("EAGLEKV_GEMV_ROWS_MAX_K", "40
                                or None)
 
 
+# Weights of more bytes than these go to cuBLAS (None: no bound, the default): every matmul
+# (GEMV_MAX_WEIGHT_BYTES; the fused ones then run cuBLAS with the separate add + RMSNorm and
+# SiLU*mul kernels) or only the bare ones, o and down (GEMV_BARE_MAX_WEIGHT_BYTES). Why: on
+# the H200 the Llama-3.1-8B shape's step streamed its layers' 14 GB through the gemv kernel
+# at 3.3 TB/s (75% of the roofline, 2026-12-06) where cuBLAS alone ran its gate_up and down
+# at 3.7-4.1 TB/s (explore_matmul_layout_h200.json); SmolLM2's weights (at most 3.5 MB) are
+# latency bound, where the kernel's PDL chain wins. The bench's `--llama8b` variants
+# `bare_cublas` / `all_cublas` measure them; EAGLEKV_GEMV_MAX_WEIGHT_BYTES /
+# EAGLEKV_GEMV_BARE_MAX_WEIGHT_BYTES set them (read at import; graphs capture the choice).
+GEMV_MAX_WEIGHT_BYTES: int | None = (
+    int(os.environ.get("EAGLEKV_GEMV_MAX_WEIGHT_BYTES", "0")) or None)
+GEMV_BARE_MAX_WEIGHT_BYTES: int | None = (
+    int(os.environ.get("EAGLEKV_GEMV_BARE_MAX_WEIGHT_BYTES", "0")) or None)
+
+
+def _weight_fits(w: torch.Tensor, fused: bool) -> bool:
+    """w is within the gemv kernel's weight bounds (GEMV_MAX_WEIGHT_BYTES, and
+    GEMV_BARE_MAX_WEIGHT_BYTES for a bare matmul)."""
+    nbytes = w.numel() * w.element_size()
+    bounds = (GEMV_MAX_WEIGHT_BYTES,) if fused else (GEMV_MAX_WEIGHT_BYTES,
+                                                     GEMV_BARE_MAX_WEIGHT_BYTES)
+    return all(b is None or nbytes <= b for b in bounds)
+
+
 def use_gemv(x: torch.Tensor, w: torch.Tensor, fused: bool = False) -> bool:
     """The gemv kernel takes this matmul: on for it (`gemv_on`; `fused`: with the norm
     prologue), a decode-sized x (M <= GEMV_MAX_ROWS; 2 rows or more only where K <
-    GEMV_ROWS_MAX_K) on a Triton device and a column-major w (see `column_major`)."""
+    GEMV_ROWS_MAX_K) on a Triton device, a column-major w (see `column_major`) within the
+    weight bounds (`_weight_fits`)."""
     return (gemv_on(x.device, fused) and x.dim() == 2
             and 0 < x.shape[0] <= max(GEMV_MAX_ROWS, GEMV_DOT_MAX_ROWS)
             and (x.shape[0] == 1 or GEMV_ROWS_MAX_K is None or x.shape[1] < GEMV_ROWS_MAX_K)
-            and w.dim() == 2 and w.stride(0) == 1 and w.shape[1] > 1 and use_triton(x))
+            and w.dim() == 2 and w.stride(0) == 1 and w.shape[1] > 1 and use_triton(x)
+            and _weight_fits(w, fused))
 
 
 def _check_gemv(x, residual, norm_weight, w, silu_mul) -> None:

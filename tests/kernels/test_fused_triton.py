@@ -788,6 +788,28 @@ def test_gemv_takes_several_rows_only_below_the_k_bound(monkeypatch):
     assert fused.use_gemv(randn(4, 4096), w_wide)
 
 
+def test_gemv_weight_bounds_send_larger_weights_to_the_library(monkeypatch):
+    """GEMV_MAX_WEIGHT_BYTES bounds every matmul's weight, GEMV_BARE_MAX_WEIGHT_BYTES only a
+    bare one's (no norm prologue); None (the default) bounds nothing. norm_matmul past the
+    bound is the separate ops' result."""
+    from eaglekv.kernels import fused
+    monkeypatch.setattr(fused, "FUSE_GEMV", True)
+    assert fused.GEMV_MAX_WEIGHT_BYTES is None and fused.GEMV_BARE_MAX_WEIGHT_BYTES is None
+    x, w = randn(1, 64), fused.column_major(randn(64, 32))             # 8192 bytes of fp32
+    assert fused.use_gemv(x, w) and fused.use_gemv(x, w, fused=True)
+    monkeypatch.setattr(fused, "GEMV_BARE_MAX_WEIGHT_BYTES", 8191)
+    assert not fused.use_gemv(x, w) and fused.use_gemv(x, w, fused=True)
+    monkeypatch.setattr(fused, "GEMV_BARE_MAX_WEIGHT_BYTES", 8192)
+    assert fused.use_gemv(x, w)
+    monkeypatch.setattr(fused, "GEMV_MAX_WEIGHT_BYTES", 8191)
+    assert not fused.use_gemv(x, w) and not fused.use_gemv(x, w, fused=True)
+    r, nw = randn(1, 64), randn(64)
+    y, s = fused.norm_matmul(x, r, nw, 1e-5, w)
+    h, s_ref = fused.add_rms_norm(x, r, nw, 1e-5)
+    torch.testing.assert_close(y, h @ w)
+    torch.testing.assert_close(s, s_ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_store_unchecked_equals_checked(dtype):
     """`guard.unchecked()` compiles rope_store_qkv with CHECK=False (a launch signature of its
