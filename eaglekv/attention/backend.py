@@ -50,9 +50,12 @@ class AttentionBackend:
     def forward_norm_qkv(self, x: torch.Tensor, residual: torch.Tensor | None,
                          norm_weight: torch.Tensor, eps: float, w: torch.Tensor, rope_in,
                          layer: int, meta, scale: float, num_heads: int, num_kv_heads: int,
-                         matmul=None) -> tuple[torch.Tensor, torch.Tensor]:
+                         matmul=None, defer_merge: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """A decoder layer's add + RMSNorm + qkv matmul (`fused.norm_matmul`, the matmul through
-        `matmul`), then `forward_qkv` -> (attention output (T, H, D), new residual)."""
+        `matmul`), then `forward_qkv` -> (attention output (T, H, D), new residual).
+        `defer_merge` (a one-token decode whose o projection is `fused.gemv_merge`): a backend
+        may return the attention as `attention.DecodePartials`; this one never does."""
         qkv, residual = norm_matmul(x, residual, norm_weight, eps, w, matmul=matmul)
         H, Hkv = num_heads, num_kv_heads
         qkv = qkv.view(x.shape[0], H + 2 * Hkv, qkv.shape[1] // (H + 2 * Hkv))

@@ -183,23 +183,26 @@ class TritonAttentionBackend(AttentionBackend):
         return self.attend(q, layer, meta, scale)
 
     def forward_norm_qkv(self, x, residual, norm_weight, eps, w, rope_in, layer,
-                         meta: TritonAttnMetadata, scale, num_heads, num_kv_heads, matmul=None):
+                         meta: TritonAttnMetadata, scale, num_heads, num_kv_heads, matmul=None,
+                         defer_merge=False):
         """`norm_matmul_rope_store` (the qkv matmul with RoPE and the K/V store, in one kernel
-        where `fused.use_gemv_rope` says so), then attend."""
+        where `fused.use_gemv_rope` says so), then attend (`defer_merge`: a split-K decode
+        returns its partials, `attention.DecodePartials`, for `fused.gemv_merge`)."""
         cos, sin, positions = rope_in
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer)
         q, residual = norm_matmul_rope_store(
             x, residual, norm_weight, eps, w, cos, sin, positions, k_buf, v_buf,
             meta.out_cache_loc, num_heads=num_heads, num_kv_heads=num_kv_heads,
             size_limit=self.kv_pool.size_limit, layer=layer, matmul=matmul)
-        return self.attend(q, layer, meta, scale), residual
+        return self.attend(q, layer, meta, scale, defer_merge=defer_merge), residual
 
     def forward(self, q, k, v, layer, meta: TritonAttnMetadata, scale):
         """q, k already rotated: store K/V (guarded), then attend."""
         self.kv_pool.set_kv_buffer(layer, meta.out_cache_loc, k, v)
         return self.attend(q, layer, meta, scale)
 
-    def attend(self, q: torch.Tensor, layer: int, meta: TritonAttnMetadata, scale: float):
+    def attend(self, q: torch.Tensor, layer: int, meta: TritonAttnMetadata, scale: float,
+               defer_merge: bool = False):
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer)
         limit = self.kv_pool.size_limit
         table = self.table if meta.table is None else meta.table
@@ -207,7 +210,7 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.decode:
             return decode_attention(q, k_buf, v_buf, table, meta.kv_start, meta.kv_len,
                                     scale, size_limit=limit, num_splits=meta.num_splits,
-                                    layer=layer, checked=check)
+                                    layer=layer, checked=check, defer_merge=defer_merge)
         return extend_attention(q, k_buf, v_buf, table, meta.kv_start, meta.prefix_len,
                                 meta.extend_len, meta.q_start, scale, size_limit=limit,
                                 mask=meta.mask, max_extend=meta.max_extend, layer=layer,

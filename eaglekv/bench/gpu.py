@@ -227,6 +227,12 @@ MODES.update({f"{m}_vdec128": MODES[m] for m in ("eagle3_chain_S5K1N6", "eagle3_
 # shape's 4-token verify cost 2.02 decode steps on the H200, 8 tokens 1.11)
 MODES.update({f"{m}_gt1k": MODES[m] for m in ("eagle3_chain_S3K1N4", "adaptive_eagle3")})
 
+# the split-K decode's merge inside the o projection (`_omerge`: fused.GEMV_MERGE, off until
+# measured; a one-token forward's o-proj programs each merge the row's partials, no merge
+# launch), and with at most 8 splits (`_sp8`: half the partials each program reads)
+MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
+              "adaptive_eagle3_omerge": MODES["adaptive_eagle3"]})
+
 # adaptive with its cost cells measured as each step ran (`_rawcost`: adaptive_worker.
 # CHAINED_COSTS off, as shipped before 2026-12-06 evening) or as chains run (`_ccost`: on, the
 # default since: exploring steps as whole chains, chains cut short by a budget's end not
@@ -240,7 +246,7 @@ MODES.update({f"{m}_{v}": MODES[m] for m in ("adaptive", "adaptive_eagle3",
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
             "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
-            "_novdec", "_ccost", "_rawcost", "_vdec128")
+            "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -252,6 +258,8 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "nogrope": ("eaglekv.kernels.fused", "FUSE_GEMV_ROPE", False),
                    "sp1": ("eaglekv.kernels.attention", "MAX_SPLITS", 1),
                    "sp4": ("eaglekv.kernels.attention", "MAX_SPLITS", 4),
+                   "sp8": ("eaglekv.kernels.attention", "MAX_SPLITS", 8),
+                   "omerge": ("eaglekv.kernels.fused", "GEMV_MERGE", True),
                    "gp1": ("eaglekv.kernels.greedy_triton", "SPLIT_MAX_ROWS", 0),
                    "nocap": ("eaglekv.speculative.adaptive", "EXPLORE_CAP", float("inf")),
                    "dot": ("eaglekv.kernels.fused", "GEMV_DOT_MAX_ROWS", 16),
@@ -1382,6 +1390,8 @@ def chained_vs_1step(result: dict) -> None:
                               ("rope_in_gemv_vs_separate", "_nogrope", False),
                               ("decode_one_split_vs_shipped", "_sp1", True),
                               ("decode_four_splits_vs_shipped", "_sp4", True),
+                              ("merge_in_o_proj_vs_separate", "_omerge", True),
+                              ("decode_eight_splits_vs_shipped", "_sp8", True),
                               ("greedy_pick_split_vs_one_program", "_gp1", False)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}

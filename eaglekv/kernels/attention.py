@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -225,16 +226,31 @@ def _triton_impl():
     return _TRITON_IMPL
 
 
+@dataclass
+class DecodePartials:
+    """A Triton decode attention's output still in its split-K partials (`defer_merge`):
+    `out` (B, H, D) is not written until `finish()` merges mid_o (B, H, S, DP) and mid_lse (B,
+    H, S) into it; `fused.gemv_merge` merges them inside the o projection instead."""
+    out: torch.Tensor
+    mid_o: torch.Tensor
+    mid_lse: torch.Tensor
+    head_dim: int
+
+    def finish(self) -> torch.Tensor:
+        return _triton_impl().merge_decode_partials(self.mid_o, self.mid_lse, self.out)
+
+
 def decode_attention(q, k_buffer, v_buffer, table, kv_start, kv_len, scale, *, size_limit,
                      num_splits=None, max_kv_len=None, layer=None, out=None,
-                     checked=True) -> torch.Tensor:
+                     checked=True, defer_merge=False):
     """q (B, H, D) -> (B, H, D): query b over the keys pos < kv_len[b] (split-K on CUDA).
 
     `num_splits` defaults from `max_kv_len` (a host bound, default table.numel()) and B;
     `out` receives the result (graph capture). A slot outside [0, size_limit) is never read.
     `checked=False`: the caller has checked every table position and slot this call reads
     (`table_guard.guard_table_rows`), so the Triton kernel reads them without checks (the
-    PyTorch path checks whatever it is told).
+    PyTorch path checks whatever it is told). `defer_merge`: the Triton path may return
+    `DecodePartials` (split-K, the merge not yet run) instead of a tensor.
     """
     op = "decode_attention"
     H, hkv, D = _check_common(op, q, k_buffer, v_buffer, table, size_limit, scale,
@@ -255,7 +271,7 @@ def decode_attention(q, k_buffer, v_buffer, table, kv_start, kv_len, scale, *, s
     out = torch.empty_like(q) if out is None else out
     return _triton_impl().decode_attention_triton(q, k_buffer, v_buffer, table, kv_start,
                                                   kv_len, float(scale), size_limit,
-                                                  num_splits, layer, out, checked)
+                                                  num_splits, layer, out, checked, defer_merge)
 
 
 def extend_attention(q, k_buffer, v_buffer, table, kv_start, prefix_len, extend_len, q_start,

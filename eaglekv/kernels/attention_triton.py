@@ -459,9 +459,12 @@ def _check_level(checked: bool) -> int:
 
 
 def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scale: float,
-                            size_limit: int, num_splits: int, layer, out, checked=True):
+                            size_limit: int, num_splits: int, layer, out, checked=True,
+                            defer_merge=False):
     """Arguments checked by `attention.decode_attention`; writes and returns `out` (B, H, D).
-    checked=False: the table was checked before (`table_guard`), the kernel reads it as is."""
+    checked=False: the table was checked before (`table_guard`), the kernel reads it as is.
+    defer_merge: with split-K (and the merge not fused), skip the merge launch and return the
+    partials (`attention.DecodePartials`) for the consumer to merge (`fused.gemv_merge`)."""
     B, H, D = q.shape
     hkv = k_buffer.shape[1]
     if B == 0:
@@ -490,11 +493,22 @@ def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scal
         num_warps=DECODE_WARPS, num_stages=key_loop_stages(check, True),
         **pdl.launch_options(use_pdl))
     if num_splits > 1 and not fused:
-        _merge_kernel[(B, H)](mid_o, mid_lse, out, *out.stride(), H=H, D=D, DP=DP,
-                              SPLITS=num_splits, SP=triton.next_power_of_2(num_splits),
-                              USE_GDC=use_pdl, num_warps=1 if DP <= 64 else 2,
-                              **pdl.launch_options(use_pdl))
+        if defer_merge:
+            guard.after_launch()
+            from eaglekv.kernels.attention import DecodePartials
+            return DecodePartials(out, mid_o, mid_lse, D)
+        merge_decode_partials(mid_o, mid_lse, out)
     guard.after_launch()
+    return out
+
+
+def merge_decode_partials(mid_o, mid_lse, out):
+    """`_decode_kernel`'s split-K partials (B, H, S, DP) / (B, H, S) merged into out (B, H, D)."""
+    B, H, S, DP = mid_o.shape
+    use_pdl = pdl.enabled(out.device)
+    _merge_kernel[(B, H)](mid_o, mid_lse, out, *out.stride(), H=H, D=out.shape[2], DP=DP,
+                          SPLITS=S, SP=triton.next_power_of_2(S), USE_GDC=use_pdl,
+                          num_warps=1 if DP <= 64 else 2, **pdl.launch_options(use_pdl))
     return out
 
 

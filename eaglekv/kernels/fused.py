@@ -308,6 +308,40 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _triton_impl().gemv_triton(x, None, None, 0.0, w, False, _check_gemv)[0]
 
 
+# ------------------------------------------------------------------------------ gemv_merge
+
+# The split-K decode attention's merge inside the o projection (`fused_triton.
+# _gemv_merge_kernel`): at batch 1 every o-proj program merges the row's partials (9 heads x
+# 16 splits x 64 fp32 for SmolLM2, ~37 KB from L2) after its weight tile is loaded, where the
+# separate merge kernel was a launch a layer (1.3 us of the ~17 us a layer, 40 us of 542 a
+# token on the H200, 2026-12-06). Built 2026-12-07 on the CPU (interpreter); off until measured
+# on a GPU (EAGLEKV_GEMV_MERGE=1 or the bench's `*_omerge` modes turn it on). Read at each
+# forward (graphs capture it).
+GEMV_MERGE = os.environ.get("EAGLEKV_GEMV_MERGE", "0") == "1"
+
+
+def use_gemv_merge(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """A one-token forward (x (1, ...)) on the Triton backend may hand its o projection `w`
+    the decode attention's partials (`gemv_merge`): on (GEMV_MERGE), w a bare gemv matmul
+    (`use_gemv`) of K <= GEMV_MERGE_MAX_K."""
+    return (GEMV_MERGE and x.dim() == 2 and x.shape[0] == 1
+            and use_gemv(x.new_empty((1, w.shape[0])), w)
+            and w.shape[0] <= _triton_impl().GEMV_MERGE_MAX_K)
+
+
+def gemv_merge(attn, w: torch.Tensor) -> torch.Tensor:
+    """attn (1, H, D) tensor or `attention.DecodePartials` of one query -> attn (1, H * D) @ w
+    (K = H * D, N): the partials merged inside the gemv kernel (`use_gemv_merge` decided
+    that), or attn as it is through `gemv`. The values of `finish()` then `gemv`."""
+    if isinstance(attn, torch.Tensor):
+        return gemv(attn.reshape(attn.shape[0], -1), w)
+    _, H, S, _ = attn.mid_o.shape
+    if attn.mid_o.shape[0] != 1 or H * attn.head_dim != w.shape[0]:
+        raise ValueError(f"gemv_merge: partials of shape {tuple(attn.mid_o.shape)} (head_dim "
+                         f"{attn.head_dim}) do not match w {tuple(w.shape)} of one query")
+    return _triton_impl().gemv_merge_triton(attn.mid_o, attn.mid_lse, attn.head_dim, w)
+
+
 # -------------------------------------------------------------------------- rope_store_qkv
 
 def _check_rope_store(qkv, cos, sin, positions, k_cache, v_cache, out_cache_loc, num_heads,

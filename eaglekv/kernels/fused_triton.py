@@ -495,6 +495,68 @@ def gemv_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, check,
 _GEMV = CachedLaunch(_gemv_kernel)
 
 
+@triton.jit
+def _gemv_merge_kernel(mid_o_ptr, mid_lse_ptr, w_ptr, out_ptr, K, N_OUT, w_sk, w_sn,
+                       D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr,
+                       SP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BY_HAND: tl.constexpr, USE_GDC: tl.constexpr = False):
+    """Program j: output columns [j*BLOCK_N, (j+1)*BLOCK_N) of y (1, N) = x @ W, where x (1,
+    K = H * D) is the decode attention's output still in its split-K partials, merged here as
+    `_merge_kernel` would have: column k of head k // D is sum_s w_s o_s[k % D] / sum_s w_s,
+    w_s = 2**(lse2_s - max lse2), cast to W's dtype; mid_o (1, H, SPLITS, DP), mid_lse (1,
+    H, SPLITS). One K tile (BLOCK_K >= K). Every program merges the whole row (from L2: a
+    few KB) instead of a merge launch a layer. USE_GDC (PDL): the weight tile is read before
+    the wait, the partials after it."""
+    j = tl.program_id(0)
+    cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cm = cols < N_OUT
+    ks = tl.arange(0, BLOCK_K)
+    km = ks < K
+    w = tl.load(w_ptr + cols[:, None] * w_sn + ks.to(tl.int64)[None, :] * w_sk,
+                mask=cm[:, None] & km[None, :], other=0.0)                 # (BN, BK)
+    if USE_GDC:
+        gdc_wait()
+    sp = tl.arange(0, SP)
+    row = (ks // D)[None, :] * SPLITS + sp[:, None]                         # (SP, BK)
+    pm = (sp < SPLITS)[:, None] & km[None, :]
+    lse = tl.load(mid_lse_ptr + row, mask=pm, other=float("-inf"))
+    o = tl.load(mid_o_ptr + row * DP + (ks % D)[None, :], mask=pm, other=0.0)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    wt = tl.exp2(lse - m[None, :])                                          # 0 if empty
+    den = tl.sum(wt, 0)
+    # stored as the merge kernel stores its output (a plain cast), then `_gemv_kernel`'s product
+    x = (tl.sum(wt * o, 0) / tl.where(den > 0, den, 1.0)).to(w_ptr.dtype.element_ty)
+    if USE_GDC:
+        gdc_launch_dependents()
+    acc = _gemv_acc(tl.zeros((1, BLOCK_N), dtype=tl.float32), x[None, :], w, False, False)
+    tl.store(out_ptr + cols[None, :], _round(acc, out_ptr.dtype.element_ty, BY_HAND),
+             mask=cm[None, :])
+
+
+def gemv_merge_triton(mid_o: torch.Tensor, mid_lse: torch.Tensor, head_dim: int,
+                      w: torch.Tensor) -> torch.Tensor:
+    """(1, K) @ w (K, N) with x the merge of one decode query's split-K partials (mid_o (1,
+    H, S, DP) and mid_lse (1, H, S) fp32, K = H * head_dim <= GEMV_MERGE_MAX_K) -> (1, N) in
+    w's dtype. Arguments checked by `fused.gemv_merge`."""
+    _, H, S, DP = mid_o.shape
+    K, N = w.shape
+    bn = GEMV_CONFIG["block_n"]
+    use_pdl = pdl.enabled(w.device)
+    out = torch.empty((1, N), dtype=w.dtype, device=w.device)
+    args = (mid_o, mid_lse, w, out, K, N, w.stride(0), w.stride(1), head_dim, DP, S, _pow2(S),
+            bn, max(16, _pow2(K)), not w.is_cuda, use_pdl)
+    key = (_sig(mid_o), _sig(mid_lse), _sig(w), head_dim, bn, use_pdl)
+    _GEMV_MERGE.launch(_GEMV_MERGE.lookup(key), key, (-(-N // bn), 1), args, w.get_device(),
+                       num_warps=GEMV_MERGE_WARPS, **pdl.launch_options(use_pdl))
+    return out
+
+
+GEMV_MERGE_MAX_K = 1024      # x in one tile: SmolLM2's 576 (9 heads x 64); an 8B's 4096 is not
+GEMV_MERGE_WARPS = 4
+_GEMV_MERGE = CachedLaunch(_gemv_merge_kernel)
+
+
 @triton.jit(do_not_specialize=["pos_call", "slot_call"])
 def _gemv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, x_s0, r_s0, w_sk, w_sn, eps,
                       cos_ptr, c_s0, c_s1, sin_ptr, n_s0, n_s1, pos_ptr, p_s0, loc_ptr, l_s0,

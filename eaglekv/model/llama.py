@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from eaglekv.core import ForwardBatch
 from eaglekv.errors import ModelLoadError
 from eaglekv.kernels import fused
-from eaglekv.kernels.fused import add_rms_norm, column_major, gemv, norm_matmul, use_gemv
+from eaglekv.kernels.fused import (add_rms_norm, column_major, gemv, gemv_merge, norm_matmul,
+                                   use_gemv, use_gemv_merge)
 from eaglekv.model import cpu_blas
 from eaglekv.model.config import ModelConfig
 from eaglekv.model.rope import RotaryEmbedding, to_interleaved
@@ -116,10 +117,11 @@ class DecoderLayer:
         if self.input_norm is not None and self.qkv_bias is None and self.q_norm is None:
             # add + RMSNorm + QKV matmul: one kernel on a decode-sized batch (fused.py), RoPE
             # and the K/V store after it (on the Triton backend optionally in its epilogue)
+            merge = use_gemv_merge(x, self.o)     # the attention's merge in the o projection
             attn, residual = backend.forward_norm_qkv(
                 x, residual, self.input_norm, cfg.rms_norm_eps, self.qkv, rope, layer_id, meta,
-                D ** -0.5, H, Hkv, matmul=linear)
-            return self._mlp(attn, residual, T)
+                D ** -0.5, H, Hkv, matmul=linear, **({"defer_merge": True} if merge else {}))
+            return self._mlp(attn, residual, T, merge)
         if self.input_norm is not None and self.qkv_bias is None:
             qkv, residual = norm_matmul(x, residual, self.input_norm, cfg.rms_norm_eps,
                                         self.qkv, matmul=linear)
@@ -140,11 +142,12 @@ class DecoderLayer:
         attn = backend.forward_qkv(qkv, rope, layer_id, meta, D ** -0.5, H, Hkv)
         return self._mlp(attn, residual, T)
 
-    def _mlp(self, attn, residual, T: int):
-        """The o projection, then add + RMSNorm + gate/up matmul + SiLU*mul (one kernel on a
-        decode-sized batch) and the down projection -> (output, residual)."""
+    def _mlp(self, attn, residual, T: int, merge: bool = False):
+        """The o projection (`merge`: by `gemv_merge`, attn maybe still split-K partials), then
+        add + RMSNorm + gate/up matmul + SiLU*mul (one kernel on a decode-sized batch) and the
+        down projection -> (output, residual)."""
         cfg = self.cfg
-        x = linear(attn.reshape(T, cfg.q_size), self.o)
+        x = gemv_merge(attn, self.o) if merge else linear(attn.reshape(T, cfg.q_size), self.o)
         act, residual = norm_matmul(x, residual, self.post_norm, cfg.rms_norm_eps, self.gate_up,
                                     silu_mul=True, matmul=linear)
         return linear(act, self.down), residual

@@ -74,11 +74,11 @@ def _attention_calls(monkeypatch):
     calls = []
     real = tb.TritonAttentionBackend.attend
 
-    def spy(self, q, layer, meta, scale):
+    def spy(self, q, layer, meta, scale, **kw):
         table = self.table if meta.table is None else meta.table
         calls.append((self, "decode" if meta.decode else "extend", not meta.reads_checked,
                       table.data_ptr() == self.table.data_ptr()))
-        return real(self, q, layer, meta, scale)
+        return real(self, q, layer, meta, scale, **kw)
     monkeypatch.setattr(tb.TritonAttentionBackend, "attend", spy)
     return calls
 
@@ -223,12 +223,12 @@ def test_fixed_decode_splits_one_kernel_per_batch(tiny_dir, reference, monkeypat
     seen = []
     real = tb.TritonAttentionBackend.attend
 
-    def spy(self, q, layer, meta, scale):
+    def spy(self, q, layer, meta, scale, **kw):
         if meta.decode:      # (no host read of the lengths inside a graph capture)
             capturing = ON_GPU and torch.cuda.is_current_stream_capturing()
             seen.append((self, meta.kv_len.shape[0], meta.num_splits,
                          None if capturing else int(meta.kv_len.max())))
-        return real(self, q, layer, meta, scale)
+        return real(self, q, layer, meta, scale, **kw)
     monkeypatch.setattr(tb.TritonAttentionBackend, "attend", spy)
     opts = dict(device=DEV, max_running_requests=4, attention_backend="triton",
                 max_context_len=256, disable_cuda_graph=True)   # eager decodes: the case
@@ -248,3 +248,30 @@ def test_fixed_decode_splits_one_kernel_per_batch(tiny_dir, reference, monkeypat
     # not vacuous: decodes ran with more splits than their keys alone would have taken
     assert any(splits > default_num_splits(rows, be.kv_pool.kv_heads, keys, be.sm_count)
                for be, rows, splits, keys in seen if keys is not None)
+
+
+def test_decode_merge_in_the_o_projection_equals_torch(tiny_dir, reference, monkeypatch):
+    """With the split-K merge inside the o projection (`EAGLEKV_GEMV_MERGE=1`) every
+    one-request decode hands its partials to `gemv_merge_triton` (no merge launch) and greedy
+    output equals the torch backend's; the books balance."""
+    from eaglekv.kernels import attention_triton, fused, fused_triton
+    monkeypatch.setattr(fused, "FUSE_GEMV", True)            # the CPU interpreter too
+    monkeypatch.setattr(fused, "GEMV_MERGE", True)
+    merged, separate = [], []
+    real_gm, real_mp = fused_triton.gemv_merge_triton, attention_triton.merge_decode_partials
+    monkeypatch.setattr(fused_triton, "gemv_merge_triton",
+                        lambda mid_o, *a: merged.append(mid_o.shape[2]) or real_gm(mid_o, *a))
+    monkeypatch.setattr(attention_triton, "merge_decode_partials",
+                        lambda *a: separate.append(1) or real_mp(*a))
+    engine = tiny_engine(tiny_dir, device=DEV, max_running_requests=1,
+                         attention_backend="triton")
+    engine.backend.fixed_decode_splits = True      # split-K on the CPU too (CUDA's default)
+    for layer in engine.model.layers:           # nn.Linear's layout, as a CUDA build makes
+        layer.o = fused.column_major(layer.o)
+    outs = [o.token_ids for o in engine.generate(PROMPTS, SP)]
+    assert outs == reference
+    engine.check_memory()
+    assert engine.allocator.is_full()
+    assert merged and min(merged) > 1
+    if not ON_GPU:       # eager steps: every decode's merge went to the o projection
+        assert not separate

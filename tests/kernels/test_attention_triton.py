@@ -213,6 +213,36 @@ def test_reference_equals_dense():
         torch.testing.assert_close(got[q0:q0 + ext[b]], full[pre[b]:])
 
 
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 2, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_len,splits", [(70, 3), (2, 16), (0, 4)])
+def test_decode_merge_in_the_o_projection(shape, dtype, kv_len, splits):
+    """`defer_merge` leaves the split-K partials for the o projection (`fused.gemv_merge`):
+    the merge kernel followed by the gemv (bit for bit on the CPU), with splits past the keys (2 keys in
+    16 splits) and no keys at all (zeros in, zeros out); `finish()` is the undeferred output."""
+    from eaglekv.kernels import fused
+    from eaglekv.kernels.attention import DecodePartials
+    H, hkv, D = shape
+    g = torch.Generator().manual_seed(kv_len + splits + D)
+    table, start, rows = paged_table([kv_len], 4, g)
+    kb, vb = kv_buffers(rows, hkv, D, dtype, g)
+    q = torch.randn(1, H, D, generator=g).to(dtype)
+    w = fused.column_major(torch.randn(H * D, 24, generator=g).to(dtype)).to(DEV)
+    args = (*to_dev(q, kb, vb, table, start, torch.tensor([kv_len])), D ** -0.5)
+    plain = decode_attention(*args, size_limit=rows, num_splits=splits)
+    p = decode_attention(*args, size_limit=rows, num_splits=splits, defer_merge=True)
+    assert isinstance(p, DecodePartials) and p.mid_o.shape[:3] == (1, H, splits)
+    got = fused.gemv_merge(p, w)
+    want = fused.gemv(plain.reshape(1, -1), w)
+    if ON_GPU:      # the two kernels' reductions may sum in another order
+        close(got, want, dtype)
+    else:
+        assert torch.equal(got, want)
+    assert torch.equal(p.finish(), plain)
+    if kv_len == 0:
+        assert not got.any()
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_empty_sequence_and_out(splits):
     """kv_len 0 gives zeros (not NaN); `out=` is written in place and returned."""
