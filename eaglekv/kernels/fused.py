@@ -320,13 +320,24 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 GEMV_MERGE = os.environ.get("EAGLEKV_GEMV_MERGE", "0") == "1"
 
 
-def use_gemv_merge(x: torch.Tensor, w: torch.Tensor) -> bool:
+def use_gemv_merge(x: torch.Tensor, w: torch.Tensor, num_heads: int) -> bool:
     """A one-token forward (x (1, ...)) on the Triton backend may hand its o projection `w`
-    the decode attention's partials (`gemv_merge`): on (GEMV_MERGE), w a bare gemv matmul
-    (`use_gemv`) of K <= GEMV_MERGE_MAX_K."""
+    (K = num_heads * head_dim) the decode attention's partials (`gemv_merge`): on
+    (GEMV_MERGE), w a bare gemv matmul (`use_gemv`), heads its kernel takes (`merge_fits`)."""
     return (GEMV_MERGE and x.dim() == 2 and x.shape[0] == 1
             and use_gemv(x.new_empty((1, w.shape[0])), w)
-            and w.shape[0] <= _triton_impl().GEMV_MERGE_MAX_K)
+            and merge_fits(num_heads, w.shape[0] // num_heads))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def merge_fits(num_heads: int, head_dim: int) -> bool:
+    """`gemv_merge`'s kernel takes these heads: head_dim a power of two >= 16 (the partials'
+    rows unpadded), pow2(num_heads) * head_dim <= GEMV_MERGE_MAX_K (one K tile)."""
+    return (head_dim >= 16 and head_dim == _pow2(head_dim)
+            and _pow2(num_heads) * head_dim <= _triton_impl().GEMV_MERGE_MAX_K)
 
 
 def gemv_merge(attn, w: torch.Tensor) -> torch.Tensor:
@@ -336,9 +347,13 @@ def gemv_merge(attn, w: torch.Tensor) -> torch.Tensor:
     if isinstance(attn, torch.Tensor):
         return gemv(attn.reshape(attn.shape[0], -1), w)
     _, H, S, _ = attn.mid_o.shape
-    if attn.mid_o.shape[0] != 1 or H * attn.head_dim != w.shape[0]:
+    D = attn.head_dim
+    if attn.mid_o.shape[0] != 1 or H * D != w.shape[0] or attn.mid_o.shape[3] != D:
         raise ValueError(f"gemv_merge: partials of shape {tuple(attn.mid_o.shape)} (head_dim "
-                         f"{attn.head_dim}) do not match w {tuple(w.shape)} of one query")
+                         f"{D}) do not match w {tuple(w.shape)} of one query")
+    if not merge_fits(H, D):
+        raise ValueError(f"gemv_merge: {H} heads of {D} take a K tile of "
+                         f"{_pow2(H) * _pow2(D)} > {_triton_impl().GEMV_MERGE_MAX_K}")
     return _triton_impl().gemv_merge_triton(attn.mid_o, attn.mid_lse, attn.head_dim, w)
 
 

@@ -497,39 +497,44 @@ _GEMV = CachedLaunch(_gemv_kernel)
 
 @triton.jit
 def _gemv_merge_kernel(mid_o_ptr, mid_lse_ptr, w_ptr, out_ptr, K, N_OUT, w_sk, w_sn,
-                       D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr,
-                       SP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
+                       SPLITS: tl.constexpr, SP: tl.constexpr, BLOCK_N: tl.constexpr,
                        BY_HAND: tl.constexpr, USE_GDC: tl.constexpr = False):
     """Program j: output columns [j*BLOCK_N, (j+1)*BLOCK_N) of y (1, N) = x @ W, where x (1,
     K = H * D) is the decode attention's output still in its split-K partials, merged here as
-    `_merge_kernel` would have: column k of head k // D is sum_s w_s o_s[k % D] / sum_s w_s,
-    w_s = 2**(lse2_s - max lse2), cast to W's dtype; mid_o (1, H, SPLITS, DP), mid_lse (1,
-    H, SPLITS). One K tile (BLOCK_K >= K). Every program merges the whole row (from L2: a
-    few KB) instead of a merge launch a layer. USE_GDC (PDL): the weight tile is read before
-    the wait, the partials after it."""
+    `_merge_kernel` would have: head h's x[h, :] is sum_s w_s o_s / sum_s w_s, w_s =
+    2**(lse2_s - max_s lse2), cast to W's dtype; mid_o (1, H, SPLITS, D), mid_lse (1, H,
+    SPLITS); D a power of two (no padding), HP * D >= K: one K tile. Every program merges
+    the whole row (from L2: a few KB) instead of a merge launch a layer. USE_GDC (PDL): the
+    weight tile is read before the wait, the partials after it."""
     j = tl.program_id(0)
     cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cm = cols < N_OUT
-    ks = tl.arange(0, BLOCK_K)
+    ks = tl.arange(0, HP * D)
     km = ks < K
     w = tl.load(w_ptr + cols[:, None] * w_sn + ks.to(tl.int64)[None, :] * w_sk,
-                mask=cm[:, None] & km[None, :], other=0.0)                 # (BN, BK)
+                mask=cm[:, None] & km[None, :], other=0.0)                 # (BN, HP * D)
     if USE_GDC:
         gdc_wait()
     sp = tl.arange(0, SP)
-    row = (ks // D)[None, :] * SPLITS + sp[:, None]                         # (SP, BK)
-    pm = (sp < SPLITS)[:, None] & km[None, :]
+    h = tl.arange(0, HP)
+    d = tl.arange(0, D)
+    row = h[None, :] * SPLITS + sp[:, None]                                 # (SP, HP)
+    pm = (sp < SPLITS)[:, None] & (h < H)[None, :]
     lse = tl.load(mid_lse_ptr + row, mask=pm, other=float("-inf"))
-    o = tl.load(mid_o_ptr + row * DP + (ks % D)[None, :], mask=pm, other=0.0)
+    o = tl.load(mid_o_ptr + row[:, :, None] * D + d[None, None, :], mask=pm[:, :, None],
+                other=0.0)                                                  # (SP, HP, D)
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     wt = tl.exp2(lse - m[None, :])                                          # 0 if empty
-    den = tl.sum(wt, 0)
+    den = tl.sum(wt, 0)                                                     # (HP,)
     # stored as the merge kernel stores its output (a plain cast), then `_gemv_kernel`'s product
-    x = (tl.sum(wt * o, 0) / tl.where(den > 0, den, 1.0)).to(w_ptr.dtype.element_ty)
+    x = (tl.sum(wt[:, :, None] * o, 0) / tl.where(den > 0, den, 1.0)[:, None]
+         ).to(w_ptr.dtype.element_ty)                                       # (HP, D)
     if USE_GDC:
         gdc_launch_dependents()
-    acc = _gemv_acc(tl.zeros((1, BLOCK_N), dtype=tl.float32), x[None, :], w, False, False)
+    acc = _gemv_acc(tl.zeros((1, BLOCK_N), dtype=tl.float32), tl.reshape(x, (1, HP * D)), w,
+                    False, False)
     tl.store(out_ptr + cols[None, :], _round(acc, out_ptr.dtype.element_ty, BY_HAND),
              mask=cm[None, :])
 
@@ -537,16 +542,16 @@ def _gemv_merge_kernel(mid_o_ptr, mid_lse_ptr, w_ptr, out_ptr, K, N_OUT, w_sk, w
 def gemv_merge_triton(mid_o: torch.Tensor, mid_lse: torch.Tensor, head_dim: int,
                       w: torch.Tensor) -> torch.Tensor:
     """(1, K) @ w (K, N) with x the merge of one decode query's split-K partials (mid_o (1,
-    H, S, DP) and mid_lse (1, H, S) fp32, K = H * head_dim <= GEMV_MERGE_MAX_K) -> (1, N) in
-    w's dtype. Arguments checked by `fused.gemv_merge`."""
+    H, S, DP) and mid_lse (1, H, S) fp32, K = H * head_dim, head_dim == DP, pow2(H) * DP <=
+    GEMV_MERGE_MAX_K) -> (1, N) in w's dtype. Arguments checked by `fused.gemv_merge`."""
     _, H, S, DP = mid_o.shape
     K, N = w.shape
     bn = GEMV_CONFIG["block_n"]
     use_pdl = pdl.enabled(w.device)
     out = torch.empty((1, N), dtype=w.dtype, device=w.device)
-    args = (mid_o, mid_lse, w, out, K, N, w.stride(0), w.stride(1), head_dim, DP, S, _pow2(S),
-            bn, max(16, _pow2(K)), not w.is_cuda, use_pdl)
-    key = (_sig(mid_o), _sig(mid_lse), _sig(w), head_dim, bn, use_pdl)
+    args = (mid_o, mid_lse, w, out, K, N, w.stride(0), w.stride(1), H, _pow2(H), DP, S,
+            _pow2(S), bn, not w.is_cuda, use_pdl)
+    key = (_sig(mid_o), _sig(mid_lse), _sig(w), bn, use_pdl)
     _GEMV_MERGE.launch(_GEMV_MERGE.lookup(key), key, (-(-N // bn), 1), args, w.get_device(),
                        num_warps=GEMV_MERGE_WARPS, **pdl.launch_options(use_pdl))
     return out

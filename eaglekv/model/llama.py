@@ -117,7 +117,7 @@ class DecoderLayer:
         if self.input_norm is not None and self.qkv_bias is None and self.q_norm is None:
             # add + RMSNorm + QKV matmul: one kernel on a decode-sized batch (fused.py), RoPE
             # and the K/V store after it (on the Triton backend optionally in its epilogue)
-            merge = use_gemv_merge(x, self.o)     # the attention's merge in the o projection
+            merge = use_gemv_merge(x, self.o, H)  # the attention's merge in the o projection
             attn, residual = backend.forward_norm_qkv(
                 x, residual, self.input_norm, cfg.rms_norm_eps, self.qkv, rope, layer_id, meta,
                 D ** -0.5, H, Hkv, matmul=linear, **({"defer_merge": True} if merge else {}))

@@ -241,6 +241,9 @@ def test_decode_merge_in_the_o_projection(shape, dtype, kv_len, splits):
     assert torch.equal(p.finish(), plain)
     if kv_len == 0:
         assert not got.any()
+    # the kernel's one K tile: unpadded power-of-two heads, pow2(H) * D <= 1024
+    assert fused.merge_fits(9, 64) and fused.merge_fits(4, 32)
+    assert not fused.merge_fits(8, 96) and not fused.merge_fits(32, 128)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
