@@ -231,7 +231,7 @@ MODES.update({f"{m}_gt1k": MODES[m] for m in ("eagle3_chain_S3K1N4", "adaptive_e
 # measured; a one-token forward's o-proj programs each merge the row's partials, no merge
 # launch), and with at most 8 splits (`_sp8`: half the partials each program reads)
 MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
-              "adaptive_eagle3_omerge": MODES["adaptive_eagle3"]})
+              "plain_omerge_om8w": None, "adaptive_eagle3_omerge": MODES["adaptive_eagle3"]})
 
 # adaptive with its cost cells measured as each step ran (`_rawcost`: adaptive_worker.
 # CHAINED_COSTS off, as shipped before 2026-12-06 evening) or as chains run (`_ccost`: on, the
@@ -246,7 +246,7 @@ MODES.update({f"{m}_{v}": MODES[m] for m in ("adaptive", "adaptive_eagle3",
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
             "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
-            "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8")
+            "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -260,6 +260,7 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "sp4": ("eaglekv.kernels.attention", "MAX_SPLITS", 4),
                    "sp8": ("eaglekv.kernels.attention", "MAX_SPLITS", 8),
                    "omerge": ("eaglekv.kernels.fused", "GEMV_MERGE", True),
+                   "om8w": ("eaglekv.kernels.fused_triton", "GEMV_MERGE_WARPS", 8),
                    "gp1": ("eaglekv.kernels.greedy_triton", "SPLIT_MAX_ROWS", 0),
                    "nocap": ("eaglekv.speculative.adaptive", "EXPLORE_CAP", float("inf")),
                    "dot": ("eaglekv.kernels.fused", "GEMV_DOT_MAX_ROWS", 16),

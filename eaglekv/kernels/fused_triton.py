@@ -551,13 +551,15 @@ def gemv_merge_triton(mid_o: torch.Tensor, mid_lse: torch.Tensor, head_dim: int,
     out = torch.empty((1, N), dtype=w.dtype, device=w.device)
     args = (mid_o, mid_lse, w, out, K, N, w.stride(0), w.stride(1), H, _pow2(H), DP, S,
             _pow2(S), bn, not w.is_cuda, use_pdl)
-    key = (_sig(mid_o), _sig(mid_lse), _sig(w), bn, use_pdl)
+    key = (_sig(mid_o), _sig(mid_lse), _sig(w), bn, GEMV_MERGE_WARPS, use_pdl)
     _GEMV_MERGE.launch(_GEMV_MERGE.lookup(key), key, (-(-N // bn), 1), args, w.get_device(),
                        num_warps=GEMV_MERGE_WARPS, **pdl.launch_options(use_pdl))
     return out
 
 
 GEMV_MERGE_MAX_K = 1024      # x in one tile: SmolLM2's 576 (9 heads x 64); an 8B's 4096 is not
+# 4 like the gemv's; at 16 splits the (splits, heads, head_dim) partials are 128 fp32 a thread
+# at 4 warps, 64 at 8 (the bench's `_om8w` modes)
 GEMV_MERGE_WARPS = 4
 _GEMV_MERGE = CachedLaunch(_gemv_merge_kernel)
 
