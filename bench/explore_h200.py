@@ -38,24 +38,8 @@ SHAPES = {  # name: (K, N) of the weight, i.e. x (M, K) @ w (K, N)
 
 def graph_time(fn, reps: int = 20) -> float:
     """Mean ms of one replay of `fn` captured in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
+    from eaglekv.bench.gpu import graph_us
+    return graph_us(fn, reps) / 1e3
 
 
 def part_matmul() -> list[dict]:
