@@ -16,6 +16,7 @@
 #   bench/h200_issue13.sh table   # issue 13's whole table as shipped, one process (~7 min):
 #                                 # plain, the EAGLE-3 chains S3/S5/S7 and tree S4K2N8, the
 #                                 # adaptive default, batch 1-64, HF, the 8B row, the floor
+#   bench/h200_issue13.sh omerge  # the merge in the o projection, the parts, the 8B variants
 #   bench/h200_issue13.sh gate    # the adaptive default (S7 behind a gate) vs before it: held-out
 #                                 # prompts at batch 1 and 4, the bench prompt at 1-64
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
@@ -153,6 +154,16 @@ PY
     MODES=${MODES:-plain,eagle3_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_chain_S7K1N8,eagle3_tree_S4K2N8,adaptive_eagle3} \
       BATCHES=${BATCHES:-1,4,16,64} REPEATS=${REPEATS:-2} BENCH_TIMEOUT=${BENCH_TIMEOUT:-570} \
       "$0" bench
+    ;;
+  omerge)
+    # 2026-12-07 (nineteenth session, not yet run): the table's speculative modes with their
+    # parts measured again, the split-K merge in the o projection (plain, at most 8 splits,
+    # 8 warps; the adaptive default with it), the 8B row (before the modes) with its cuBLAS
+    # and tiling variants, then the registers and stack of every kernel the process compiled
+    MODES=${MODES:-plain,plain_omerge,plain_omerge_sp8,plain_omerge_om8w,eagle3_chain_S3K1N4,eagle3_chain_S7K1N8,eagle3_tree_S4K2N8,adaptive_eagle3,adaptive_eagle3_omerge} \
+      BATCHES=${BATCHES:-1,4,64} REPEATS=${REPEATS:-2} FLOOR=${FLOOR:-0} \
+      BENCH_TIMEOUT=${BENCH_TIMEOUT:-570} "$0" bench
+    bash bench/triton_cache_regs.sh > "$OUT/cache_regs.txt" 2>&1
     ;;
   gate)
     # 2026-12-06 (sixteenth session): the adaptive default with the 7-step chain behind its
