@@ -17,6 +17,7 @@
 #                                 # plain, the EAGLE-3 chains S3/S5/S7 and tree S4K2N8, the
 #                                 # adaptive default, batch 1-64, HF, the 8B row, the floor
 #   bench/h200_issue13.sh omerge  # the merge in the o projection, the parts, the 8B variants
+#   bench/h200_issue13.sh rnd     # no staging: the same on a random SmolLM2-shaped model
 #   bench/h200_issue13.sh gate    # the adaptive default (S7 behind a gate) vs before it: held-out
 #                                 # prompts at batch 1 and 4, the bench prompt at 1-64
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
@@ -163,6 +164,27 @@ PY
     MODES=${MODES:-plain,plain_omerge,plain_omerge_sp8,plain_omerge_om8w,eagle3_chain_S3K1N4,eagle3_chain_S7K1N8,eagle3_tree_S4K2N8,adaptive_eagle3,adaptive_eagle3_omerge} \
       BATCHES=${BATCHES:-1,4,64} REPEATS=${REPEATS:-2} FLOOR=${FLOOR:-0} \
       BENCH_TIMEOUT=${BENCH_TIMEOUT:-570} "$0" bench
+    bash bench/triton_cache_regs.sh > "$OUT/cache_regs.txt" 2>&1
+    ;;
+  rnd)
+    # 2026-12-07 (twentieth session): no staging needed. Copies the model's first half if it
+    # was carried (.carry/smollm2/a, for a later call), then times the merge in the o
+    # projection on a random SmolLM2-shaped model (plain decode's time does not depend on the
+    # weights' values: EOS is ignored), the 8B variants, and the cubins' registers
+    if [ -f .carry/smollm2/a/part.aa ]; then mkdir -p /root/smollm2 && cp .carry/smollm2/a/part.aa /root/smollm2/; fi
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from profile_step import make_model; make_model('/root/rnd')"
+    mkdir -p "$OUT/omerge" "$OUT/l8b"
+    timeout "${BENCH_TIMEOUT:-330}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
+      --model /root/rnd --new-tokens 256 --repeats "${REPEATS:-3}" --no-hf --table \
+      --batches "${BATCHES:-1,4,64}" \
+      --modes "${MODES:-plain,plain_omerge,plain_omerge_sp8,plain_sp8,plain_omerge_om8w}" \
+      --out "$OUT/omerge" 2>&1 | tail -c 20000 > "$OUT/omerge/bench.log"
+    tail -4 "$OUT/omerge/bench.log"
+    EAGLEKV_BENCH_8B_VARIANTS=${VARIANTS_8B:-bare_cublas,all_cublas,bare_cublas_block_k2048_grope} \
+      timeout "${L8B_TIMEOUT:-200}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
+      --model /root/rnd --new-tokens 64 --repeats 1 --no-hf --table --batches 1 --modes plain \
+      --llama8b --out "$OUT/l8b" 2>&1 | tail -c 20000 > "$OUT/l8b/bench.log"
+    tail -4 "$OUT/l8b/bench.log"
     bash bench/triton_cache_regs.sh > "$OUT/cache_regs.txt" 2>&1
     ;;
   gate)
