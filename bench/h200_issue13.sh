@@ -177,7 +177,7 @@ PY
     timeout "${BENCH_TIMEOUT:-330}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
       --model /root/rnd --new-tokens 256 --repeats "${REPEATS:-3}" --no-hf --table \
       --batches "${BATCHES:-1,4,64}" \
-      --modes "${MODES:-plain,plain_omerge,plain_omerge_sp8,plain_sp8,plain_omerge_om8w}" \
+      --modes "${MODES:-plain,plain_omerge,plain_omerge_sp8,plain_sp8,plain_omerge_om8w,plain_k64,plain_omerge_k64,plain_omerge_sp8_k64}" \
       --out "$OUT/omerge" 2>&1 | tail -c 20000 > "$OUT/omerge/bench.log"
     tail -4 "$OUT/omerge/bench.log"
     EAGLEKV_BENCH_8B_VARIANTS=${VARIANTS_8B:-bare_cublas,all_cublas,bare_cublas_block_k2048_grope} \

@@ -231,7 +231,9 @@ MODES.update({f"{m}_gt1k": MODES[m] for m in ("eagle3_chain_S3K1N4", "adaptive_e
 # measured; a one-token forward's o-proj programs each merge the row's partials, no merge
 # launch), and with at most 8 splits (`_sp8`: half the partials each program reads)
 MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
-              "plain_omerge_om8w": None, "adaptive_eagle3_omerge": MODES["adaptive_eagle3"]})
+              "plain_omerge_om8w": None, "adaptive_eagle3_omerge": MODES["adaptive_eagle3"],
+              # with chains of 64 (`_k64`: the host's gap between two chains halved a token)
+              "plain_omerge_k64": None, "plain_omerge_sp8_k64": None})
 
 # adaptive with its cost cells measured as each step ran (`_rawcost`: adaptive_worker.
 # CHAINED_COSTS off, as shipped before 2026-12-06 evening) or as chains run (`_ccost`: on, the
