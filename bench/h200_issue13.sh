@@ -174,14 +174,19 @@ PY
     if [ -f .carry/smollm2/a/part.aa ]; then mkdir -p /root/smollm2 && cp .carry/smollm2/a/part.aa /root/smollm2/; fi
     python3 -c "import sys; sys.path.insert(0, 'bench'); from profile_step import make_model; make_model('/root/rnd')"
     mkdir -p "$OUT/omerge" "$OUT/l8b"
-    timeout "${BENCH_TIMEOUT:-330}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
       --model /root/rnd --new-tokens 256 --repeats "${REPEATS:-3}" --no-hf --table \
       --batches "${BATCHES:-1,4,64}" \
-      --modes "${MODES:-plain,plain_omerge,plain_omerge_sp8,plain_sp8,plain_omerge_om8w,plain_k64,plain_omerge_k64,plain_omerge_sp8_k64}" \
+      --modes "${MODES:-plain,plain_omerge,plain_omerge_sp8,plain_sp8,plain_omerge_om8w,plain_k64,plain_omerge_k64,plain_omerge_sp8_k64,plain_cg,plain_k64_cg,plain_omerge_cg,plain_omerge_k64_cg}" \
       --out "$OUT/omerge" 2>&1 | tail -c 20000 > "$OUT/omerge/bench.log"
     tail -4 "$OUT/omerge/bench.log"
+    timeout "${TESTS_TIMEOUT:-100}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/engine/test_cuda_graph.py tests/engine/test_triton_backend.py \
+      tests/kernels/test_attention_triton.py -k "chain_graph or chain-graph or merge_in_the_o" \
+      > "$OUT/gpu_tests_rnd.log" 2>&1
+    tail -2 "$OUT/gpu_tests_rnd.log"
     EAGLEKV_BENCH_8B_VARIANTS=${VARIANTS_8B:-bare_cublas,all_cublas,bare_cublas_block_k2048_grope} \
-      timeout "${L8B_TIMEOUT:-200}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
+      timeout "${L8B_TIMEOUT:-160}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
       --model /root/rnd --new-tokens 64 --repeats 1 --no-hf --table --batches 1 --modes plain \
       --llama8b --out "$OUT/l8b" 2>&1 | tail -c 20000 > "$OUT/l8b/bench.log"
     tail -4 "$OUT/l8b/bench.log"

@@ -26,6 +26,7 @@ slot, exactly as without graphs, and after any eager guarded call of the same st
 from __future__ import annotations
 
 import gc
+import os
 from contextlib import contextmanager
 
 import numpy as np
@@ -38,6 +39,14 @@ from eaglekv.kernels.guard import kv_guard
 from eaglekv.model.llama import ModelOutput
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+# Decode chains of the full length as ONE graph (`DecodeGraphs.chain_graphs`) for batch buckets
+# up to this (0: off, the default until timed on a GPU; EAGLEKV_CHAIN_GRAPH_MAX_BS). A chain of
+# k replays pays a graph launch and three small copies a token; at batch 1 on the H200 a
+# 32-token chain's 31 graph-to-graph transitions took ~0.3 ms of its ~18 ms (2026-12-06
+# profile, the 2-100 us gaps). The captured chain runs the same forward k times with each
+# step's argmax read in place by the next, so its tokens equal the replayed chain's.
+CHAIN_GRAPH_MAX_BATCH = int(os.environ.get("EAGLEKV_CHAIN_GRAPH_MAX_BS", "0"))
 
 
 def store_features(table: torch.Tensor, slots: torch.Tensor, feats: torch.Tensor) -> None:
@@ -89,17 +98,19 @@ class CapturedForwards:
                 self.graphs[b] = self._capture(b, guard)
         guard.raise_if_error()    # the warm-ups wrote only the padding page
 
-    def _capture(self, b: int, guard) -> tuple:
+    def _capture(self, b: int, guard, forward=None, warmups: int = 2) -> tuple:
+        """(graph, its outputs, its guarded calls) of `forward(b)` (default `_forward`)."""
+        forward = forward or self._forward
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):                     # warm-up: Triton compiles, cuBLAS
-            for _ in range(2):
-                self._forward(b)
+            for _ in range(warmups):
+                forward(b)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with guard.capturing(self.first_call_id) as calls, torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(b)
+            out = forward(b)
         return graph, out, dict(calls)
 
     def bucket(self, n: int) -> int | None:
@@ -109,13 +120,14 @@ class CapturedForwards:
                 return b
         return None
 
-    def _replay(self, b: int):
-        """Replay bucket b (its buffers filled) inside the step's `guarded` context."""
+    def _replay(self, b: int, graphs: dict | None = None, forward=None):
+        """Replay bucket b (its buffers filled) inside the step's `guarded` context; `graphs`
+        and `forward`: another captured forward of the same buffers (default `_forward`)."""
         self.replays += 1
         if not self.capture:
             with torch.inference_mode():
-                return self._forward(b)
-        graph, out, calls = self.graphs[b]
+                return (forward or self._forward)(b)
+        graph, out, calls = (self.graphs if graphs is None else graphs)[b]
         kv_guard(self.device).replaying(calls)
         graph.replay()
         return out
@@ -149,12 +161,18 @@ class DecodeGraphs(CapturedForwards):
     # token at batch 1 on the H100, 2026-12-05)
     FIELDS = ("ids", "positions", "rows", "slots", "kv_start", "kv_len")
 
+    chain_call_id = 5 << 20       # the chain graphs' guard call ids
+
     def __init__(self, model, backend, max_batch: int, max_kv_len: int, progress: bool = True,
-                 capture: bool = True, features=None, feature_table=None, req_to_token=None):
+                 capture: bool = True, features=None, feature_table=None, req_to_token=None,
+                 chain_steps: int = 0, chain_graph_max_batch: int | None = None):
         """The adaptive runner's plain steps: `features` (a drafter) and `feature_table`
         (slots, Hf): the forward also writes each token's draft feature at its slot, for the
         draft to catch up on later; `req_to_token` (rows, width) int32: it also writes each
-        request's new slot into the table (one host copy a step does it all)."""
+        request's new slot into the table (one host copy a step does it all).
+        `chain_steps` (the runner's longest decode chain, num_scheduler_steps): with 2 or more,
+        a chain of exactly that many steps at a bucket up to `chain_graph_max_batch` (default
+        CHAIN_GRAPH_MAX_BATCH; 0: none) replays one graph of the whole chain."""
         super().__init__(model, backend, max_batch, capture)
         self.max_kv_len = max_kv_len
         self.features, self.feature_table, self.req_to_token = (features, feature_table,
@@ -170,10 +188,64 @@ class DecodeGraphs(CapturedForwards):
         self.dev = self.host.to(self.device, copy=True)
         self.chain = None         # replay_chain's buffers, made on its first use
         self.capture_all(progress)
+        cap = CHAIN_GRAPH_MAX_BATCH if chain_graph_max_batch is None else chain_graph_max_batch
+        self.chain_steps = chain_steps if chain_steps > 1 and cap > 0 else 0
+        self.chain_graphs: dict[int, tuple] = {}
+        self.chain_buckets = {b for b in self.buckets if b <= cap} if self.chain_steps else set()
+        self.chain_graph_replays = 0
+        if self.chain_buckets:
+            self._chain_buffers(self.chain_steps)   # fixed addresses: the graphs read them
+            self._capture_chains(progress)
+
+    def _chain_buffers(self, k: int) -> tuple:
+        """replay_chain's buffers for chains of up to k steps: the pinned host block (k, 6, n),
+        its device twin and the (k, n, 2) picks of the replayed chain."""
+        if self.chain is None or self.chain[0].shape[0] < k:
+            if self.chain_steps and self.chain is not None:   # never past chain_steps
+                raise ValueError(f"decode chain of {k} steps: the chain graphs hold "
+                                 f"{self.chain_steps}")
+            host = torch.zeros(k, *self.host.shape, dtype=torch.int64)
+            self.chain = (host.pin_memory() if self.capture else host,
+                          torch.zeros(k, *self.dev.shape, dtype=torch.int64, device=self.device),
+                          torch.zeros(k, self.dev.shape[1], 2, dtype=torch.int64,
+                                      device=self.device))
+        return self.chain
+
+    def _capture_chains(self, progress: bool) -> None:
+        if not self.capture:
+            return
+        order = sorted(self.chain_buckets, reverse=True)
+        if progress:
+            from tqdm import tqdm
+            order = tqdm(order, desc=f"capturing CUDA graphs (decode chains of "
+                                     f"{self.chain_steps})", unit="graph")
+        guard = kv_guard(self.device)
+        saved, self.first_call_id = self.first_call_id, self.chain_call_id
+        try:
+            with no_gc(), torch.inference_mode(), guard.step():
+                for b in order:
+                    self.chain_graphs[b] = self._capture(b, guard, self._forward_chain, 1)
+        finally:
+            self.first_call_id = saved
+        guard.raise_if_error()
+
+    def _forward_chain(self, b: int) -> torch.Tensor:
+        """A whole chain of `chain_steps` decode steps over the chain's device block: step j
+        reads its positions, rows and slots from block j and its input token from step j - 1's
+        pick in place (step 0's from the block) -> (chain_steps, b, 2) picks."""
+        dev = self.chain[1]
+        ids, picks = dev[0, 0, :b], []
+        for j in range(self.chain_steps):
+            _, greedy = self._forward_on(ids, *(dev[j, i, :b] for i in range(1, 6)))
+            picks.append(greedy)
+            ids = greedy[:, 0]
+        return torch.stack(picks)
 
     def _forward(self, b: int) -> tuple:
-        ids, pos, rows, slots, kv_start, kv_len = (self.dev[i, :b]
-                                                   for i in range(len(self.FIELDS)))
+        return self._forward_on(*(self.dev[i, :b] for i in range(len(self.FIELDS))))
+
+    def _forward_on(self, ids, pos, rows, slots, kv_start, kv_len) -> tuple:
+        """The decode forward over these (b,) inputs -> (logits (b, V), picks (b, 2))."""
         if self.req_to_token is not None:    # padding rows: row 0, position 0 <- slot 0
             self.req_to_token[rows, pos] = slots.to(torch.int32)
         meta = self.backend.decode_metadata(kv_start, kv_len, slots, self.max_kv_len)
@@ -218,13 +290,7 @@ class DecodeGraphs(CapturedForwards):
         step's one sync. Call inside the step's `guarded` context."""
         k, n = slots.shape
         b = self.bucket(n)
-        if self.chain is None or self.chain[0].shape[0] < k:
-            host = torch.zeros(k, *self.host.shape, dtype=torch.int64)
-            self.chain = (host.pin_memory() if self.capture else host,
-                          torch.zeros(k, *self.dev.shape, dtype=torch.int64, device=self.device),
-                          torch.zeros(k, self.dev.shape[1], 2, dtype=torch.int64,
-                                      device=self.device))
-        host, dev, out = (x[:k] for x in self.chain)
+        host, dev, out = (x[:k] for x in self._chain_buffers(k))
         h = host.numpy()
         h[:, :, n:b] = 0                                  # padding rows: row 0, slot 0
         h[:, 5, n:b] = 1                                  # and 1 key, the padding row's
@@ -236,6 +302,9 @@ class DecodeGraphs(CapturedForwards):
         h[:, 5, :n] = h[:, 1, :n] + 1
         self._check_chain_slots(h[:, 3, :b])
         dev.copy_(host, non_blocking=True)
+        if k == self.chain_steps and b in self.chain_buckets:      # the chain as one graph
+            self.chain_graph_replays += 1
+            return self._replay(b, self.chain_graphs, self._forward_chain)[:, :n]
         for j in range(k):
             self.dev.copy_(dev[j])
             if j:

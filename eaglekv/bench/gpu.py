@@ -233,7 +233,11 @@ MODES.update({f"{m}_gt1k": MODES[m] for m in ("eagle3_chain_S3K1N4", "adaptive_e
 MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
               "plain_omerge_om8w": None, "adaptive_eagle3_omerge": MODES["adaptive_eagle3"],
               # with chains of 64 (`_k64`: the host's gap between two chains halved a token)
-              "plain_omerge_k64": None, "plain_omerge_sp8_k64": None})
+              "plain_omerge_k64": None, "plain_omerge_sp8_k64": None,
+              # a whole decode chain as one graph at batch <= 4 (`_cg`:
+              # cuda_graph.CHAIN_GRAPH_MAX_BATCH, off until measured)
+              "plain_cg": None, "plain_k64_cg": None, "plain_omerge_cg": None,
+              "plain_omerge_k64_cg": None})
 
 # adaptive with its cost cells measured as each step ran (`_rawcost`: adaptive_worker.
 # CHAINED_COSTS off, as shipped before 2026-12-06 evening) or as chains run (`_ccost`: on, the
@@ -248,10 +252,11 @@ MODES.update({f"{m}_{v}": MODES[m] for m in ("adaptive", "adaptive_eagle3",
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
             "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
-            "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w")
+            "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
+                   "cg": ("eaglekv.cuda_graph", "CHAIN_GRAPH_MAX_BATCH", 4),
                    "fmerge": ("eaglekv.kernels.attention_triton", "FUSED_DECODE_MERGE", True),
                    "pdl": ("eaglekv.kernels.pdl", "PDL", True),
                    "nopdl": ("eaglekv.kernels.pdl", "PDL", False),
@@ -1398,6 +1403,7 @@ def chained_vs_1step(result: dict) -> None:
                               ("decode_four_splits_vs_shipped", "_sp4", True),
                               ("merge_in_o_proj_vs_separate", "_omerge", True),
                               ("decode_eight_splits_vs_shipped", "_sp8", True),
+                              ("chain_graph_vs_replays", "_cg", True),
                               ("greedy_pick_split_vs_one_program", "_gp1", False)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}

@@ -134,7 +134,7 @@ class Engine:
             return None
         from eaglekv.cuda_graph import DecodeGraphs
         return DecodeGraphs(self.model, self.backend, res.cuda_graph_max_bs,
-                            self.max_context_len)
+                            self.max_context_len, chain_steps=self.config.decode_steps)
 
     def _prefill_graphs(self, res: RunnerResources):
         """The plain runner's captured one-request prefills (`cuda_graph_prefill_tokens`,

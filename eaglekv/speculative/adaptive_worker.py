@@ -157,7 +157,8 @@ class AdaptiveWorker:
             self.graphs = DecodeGraphs(res.model, res.backend, res.cuda_graph_max_bs,
                                        res.max_context_len, features=drafter,
                                        feature_table=self.feature_table,
-                                       req_to_token=res.req_to_token.req_to_token)
+                                       req_to_token=res.req_to_token.req_to_token,
+                                       chain_steps=decode_steps)
         if costs is None:
             costs = CostTable(cost_cache_path(self.identity()),
                               drop_first=res.device.type == "cuda")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from eaglekv import KVIndexError, SamplingParams
+from eaglekv import cuda_graph
 from eaglekv.cuda_graph import batch_buckets, no_gc
 from helpers import spec, tiny_engine
 
@@ -73,6 +74,22 @@ def test_greedy_equals_cpu(tiny_dir, opts, batch):
         assert graphs is not None and graphs.replays >= SP.max_new_tokens - 1
     else:
         assert graphs is None
+    engine.check_memory()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_chain_graph_greedy_equals_cpu(tiny_dir, monkeypatch, batch):
+    """Decode chains of 5 captured as one graph each (cuda_graph.CHAIN_GRAPH_MAX_BATCH): the
+    CPU's tokens, every chain after the prefill one replay."""
+    monkeypatch.setattr(cuda_graph, "CHAIN_GRAPH_MAX_BATCH", 4)
+    prompts = PROMPTS[:batch]
+    cpu = [o.token_ids for o in tiny_engine(tiny_dir).generate(prompts, SP)]
+    engine = tiny_engine(tiny_dir, device="cuda", max_running_requests=4, num_scheduler_steps=5)
+    assert [o.token_ids for o in engine.generate(prompts, SP)] == cpu
+    graphs = engine.runner.graphs
+    assert graphs.chain_graph_replays == (SP.max_new_tokens - 1) // 5
     engine.check_memory()
 
 
@@ -188,12 +205,15 @@ def test_padded_rows_touch_no_request_kv(tiny_dir, page_size):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("where", ["table", "slot", "table-chain"])
-def test_guard_inside_replayed_graph(tiny_dir, where):
+@pytest.mark.parametrize("where", ["table", "slot", "table-chain", "table-chain-graph"])
+def test_guard_inside_replayed_graph(tiny_dir, where, monkeypatch):
     """A corrupted req_to_token entry (read by attention) or new slot (written by the K/V
-    store) inside a replay, or inside a chain of 8 replays: KVIndexError at the step's sync,
-    nothing written out of range, the engine serves the next request exactly."""
-    chain = where == "table-chain"
+    store) inside a replay, or inside a chain of 8 replays, or a chain of 8 captured as one
+    graph (cuda_graph.CHAIN_GRAPH_MAX_BATCH): KVIndexError at the step's sync, nothing
+    written out of range, the engine serves the next request exactly."""
+    chain = where.startswith("table-chain")
+    one_graph = where == "table-chain-graph"
+    monkeypatch.setattr(cuda_graph, "CHAIN_GRAPH_MAX_BATCH", 4 if one_graph else 0)
     engine = tiny_engine(tiny_dir, device="cuda", max_running_requests=4, max_total_tokens=256,
                          num_scheduler_steps=8 if chain else 1)
     ref = engine.generate([PROMPTS[0]], SP)[0].token_ids
@@ -217,7 +237,8 @@ def test_guard_inside_replayed_graph(tiny_dir, where):
     with pytest.raises(KVIndexError, match=match):
         engine.step()
     # it was the graph that refused (a chain's replays all ran: the guard reads at the sync)
-    assert engine.runner.graphs.replays == replays + (8 if chain else 1)
+    assert engine.runner.graphs.replays == replays + (8 if chain and not one_graph else 1)
+    assert engine.runner.graphs.chain_graph_replays == int(one_graph)
     # the refused store wrote nothing: at most the other request's new row (and the padding
     # page) changed; a write at `limit` would be past the buffer (memcheck runs these tests)
     changed = set()

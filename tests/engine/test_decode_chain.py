@@ -30,15 +30,19 @@ def _interpret_only_here(monkeypatch):
     monkeypatch.setenv("EAGLEKV_TRITON_ON_CPU", "1")
 
 
-def chain_engine(tiny_dir, steps: int, **options):
+def chain_engine(tiny_dir, steps: int, chain_graph: bool = False, **options):
     """A context of 64 (prompts and their 12 tokens fit): the graph's split-K follows the
-    context limit, and under the Triton interpreter every split costs its program's time."""
+    context limit, and under the Triton interpreter every split costs its program's time.
+    `chain_graph`: a chain of `steps` runs as one forward of the whole chain (the chain graph
+    of `cuda_graph.CHAIN_GRAPH_MAX_BATCH`) at every bucket."""
     options.setdefault("max_running_requests", 4)
     options.setdefault("max_context_len", 64)
     engine = tiny_engine(tiny_dir, attention_backend="triton", **options)
     engine.runner.graphs = DecodeGraphs(engine.model, engine.backend,
                                         engine.config.max_running_requests,
-                                        engine.max_context_len, progress=False, capture=False)
+                                        engine.max_context_len, progress=False, capture=False,
+                                        chain_steps=steps if chain_graph else 0,
+                                        chain_graph_max_batch=64)
     engine.runner.decode_steps = steps
     return engine
 
@@ -69,20 +73,31 @@ def test_config():
         EngineConfig(num_scheduler_steps=0)
 
 
-@pytest.mark.parametrize("steps,page_size,fused", [(8, 1, False), (3, 4, False), (8, 1, True)])
-def test_chain_equals_single_steps(tiny_dir, reference, steps, page_size, fused, monkeypatch):
+@pytest.mark.parametrize("steps,page_size,fused,chain_graph",
+                         [(8, 1, False, False), (3, 4, False, False), (8, 1, True, False),
+                          (3, 4, False, True), (4, 1, False, True)])
+def test_chain_equals_single_steps(tiny_dir, reference, steps, page_size, fused, chain_graph,
+                                   monkeypatch):
     """Different budgets per request (the chain shrinks to the smallest left), batch 3 in
     the 4-row bucket, then fewer rows as requests finish: the same tokens, fewer steps.
-    `fused`: the layers run the norm_matmul kernel (off by default)."""
+    `fused`: the layers run the norm_matmul kernel (off by default). `chain_graph`: the
+    chains of the full length run as one forward of the chain (the rest replay step by
+    step): both kinds ran."""
     from eaglekv.kernels import fused as fused_ops
     monkeypatch.setattr(fused_ops, "FUSE_NORM_MATMUL", fused)
-    engine = chain_engine(tiny_dir, steps, page_size=page_size)
+    engine = chain_engine(tiny_dir, steps, chain_graph, page_size=page_size)
+    graphs = engine.runner.graphs
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 5, 9)]
     reqs, nsteps = run_checked(engine, PROMPTS, params)
     assert [r.output_ids for r in reqs] == [ref[:p.max_new_tokens]
                                             for ref, p in zip(reference, params)]
     assert [r.finish_reason for r in reqs] == ["length"] * 3
     assert nsteps < 12                     # one step a token: 12 (the prefill samples one)
+    if chain_graph:
+        assert graphs.chain_graph_replays >= 1
+        assert graphs.replays > graphs.chain_graph_replays     # and shorter chains replayed
+    else:
+        assert graphs.chain_graph_replays == 0
 
 
 def test_stop_inside_a_chain(tiny_dir, reference):
@@ -109,20 +124,21 @@ def test_short_pool_shortens_the_chain(tiny_dir, reference):
     assert [r.output_ids for r in reqs] == reference
 
 
-def test_bad_logits_mid_chain_fail_one_request(tiny_dir, reference):
+@pytest.mark.parametrize("chain_graph", [False, True])
+def test_bad_logits_mid_chain_fail_one_request(tiny_dir, reference, chain_graph):
     """Request 1's argmax turns unusable at the 3rd step of a chain: it fails alone with the
     tokens it made before, its chain slots go back; the others are unchanged."""
-    engine = chain_engine(tiny_dir, 4)
+    engine = chain_engine(tiny_dir, 4, chain_graph)
     graphs = engine.runner.graphs
-    forward, calls = graphs._forward, []
+    forward, calls = graphs._forward_on, []
 
-    def poisoned(b):
-        logits, greedy = forward(b)
-        calls.append(b)
+    def poisoned(*inputs):
+        logits, greedy = forward(*inputs)
+        calls.append(inputs[0].shape[0])
         if len(calls) == 3:
             greedy[1, 1] = 0                     # "argmax not valid" for row 1
         return logits, greedy
-    graphs._forward = poisoned
+    graphs._forward_on = poisoned
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
     reqs = [engine.add_request(p, sp) for p in PROMPTS]
     while not calls:                             # the prefill, then the first chain
@@ -135,13 +151,15 @@ def test_bad_logits_mid_chain_fail_one_request(tiny_dir, reference):
         engine.check_memory()
     assert [reqs[0].output_ids, reqs[2].output_ids] == [reference[0][:12], reference[2][:12]]
     assert engine.allocator.is_full()
+    assert (graphs.chain_graph_replays >= 1) == chain_graph
 
 
-def test_bad_chain_slot_is_refused(tiny_dir, reference):
+@pytest.mark.parametrize("chain_graph", [False, True])
+def test_bad_chain_slot_is_refused(tiny_dir, reference, chain_graph):
     """A chain step's slot past the pool: KVIndexError naming the chain's out_cache_loc and
     the value, raised before any replay (nothing written); the engine serves the next
     request exactly."""
-    engine = chain_engine(tiny_dir, 4, max_total_tokens=256)
+    engine = chain_engine(tiny_dir, 4, chain_graph, max_total_tokens=256)
     sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
     reqs = [engine.add_request(p, sp) for p in PROMPTS[:2]]
     engine.step()                                           # the prefill
