@@ -185,7 +185,7 @@ PY
       tests/kernels/test_attention_triton.py -k "chain_graph or chain-graph or merge_in_the_o" \
       > "$OUT/gpu_tests_rnd.log" 2>&1
     tail -2 "$OUT/gpu_tests_rnd.log"
-    EAGLEKV_BENCH_8B_VARIANTS=${VARIANTS_8B:-bare_cublas,all_cublas,bare_cublas_block_k2048_grope} \
+    [ -n "${SKIP_8B:-}" ] || EAGLEKV_BENCH_8B_VARIANTS=${VARIANTS_8B:-bare_cublas,all_cublas,bare_cublas_block_k2048_grope} \
       timeout "${L8B_TIMEOUT:-160}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
       --model /root/rnd --new-tokens 64 --repeats 1 --no-hf --table --batches 1 --modes plain \
       --llama8b --out "$OUT/l8b" 2>&1 | tail -c 20000 > "$OUT/l8b/bench.log"
