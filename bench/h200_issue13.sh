@@ -177,12 +177,12 @@ PY
     timeout "${BENCH_TIMEOUT:-300}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
       --model /root/rnd --new-tokens 256 --repeats "${REPEATS:-3}" --no-hf --table \
       --batches "${BATCHES:-1,4,64}" \
-      --modes "${MODES:-plain,plain_omerge,plain_omerge_sp8,plain_sp8,plain_omerge_om8w,plain_k64,plain_omerge_k64,plain_omerge_sp8_k64,plain_cg,plain_k64_cg,plain_omerge_cg,plain_omerge_k64_cg}" \
+      --modes "${MODES:-plain,plain_omerge,plain_omerge_sp8,plain_k64,plain_cg,plain_dpf,plain_omerge_dpf,plain_omerge_k64_cg,plain_omerge_k64_cg_dpf,plain_omerge_sp8_k64_cg_dpf}" \
       --out "$OUT/omerge" 2>&1 | tail -c 20000 > "$OUT/omerge/bench.log"
     tail -4 "$OUT/omerge/bench.log"
     timeout "${TESTS_TIMEOUT:-100}" python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/engine/test_cuda_graph.py tests/engine/test_triton_backend.py \
-      tests/kernels/test_attention_triton.py -k "chain_graph or chain-graph or merge_in_the_o" \
+      tests/kernels/test_attention_triton.py -k "chain_graph or chain-graph or merge_in_the_o or prefetch" \
       > "$OUT/gpu_tests_rnd.log" 2>&1
     tail -2 "$OUT/gpu_tests_rnd.log"
     [ -n "${SKIP_8B:-}" ] || EAGLEKV_BENCH_8B_VARIANTS=${VARIANTS_8B:-bare_cublas,all_cublas,bare_cublas_block_k2048_grope} \

@@ -248,7 +248,8 @@ class DecodeGraphs(CapturedForwards):
         """The decode forward over these (b,) inputs -> (logits (b, V), picks (b, 2))."""
         if self.req_to_token is not None:    # padding rows: row 0, position 0 <- slot 0
             self.req_to_token[rows, pos] = slots.to(torch.int32)
-        meta = self.backend.decode_metadata(kv_start, kv_len, slots, self.max_kv_len)
+        meta = self.backend.decode_metadata(kv_start, kv_len, slots, self.max_kv_len,
+                                            one_token=True)
         f = self.features
         out = self.model.forward_tokens(ids, pos, self.backend, meta, return_hidden=f is not None,
                                         capture_layers=() if f is None else f.capture_layers)

@@ -56,6 +56,7 @@ class TritonAttnMetadata:
     table: torch.Tensor | None = None        # the slot table, if not req_to_token (draft)
     max_keys: int | None = None              # host bound on a request's keys (None: width)
     reads_checked: bool = False              # table holds only checked slots (begin_forward)
+    one_token: bool = False                  # decode: a target forward of one new token each
 
     @property
     def decode(self) -> bool:
@@ -81,7 +82,7 @@ class TritonAttentionBackend(AttentionBackend):
         if batch.extend_mask is None and all(e == 1 for e in batch.extend_lens_cpu):
             max_keys = max(batch.prefix_lens_cpu) + 1
             meta = self.decode_metadata(kv_start, batch.prefix_lens + 1, batch.out_cache_loc,
-                                        max_keys)
+                                        max_keys, one_token=True)
             meta.max_keys = max_keys
             return meta
         q_start = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
@@ -93,16 +94,19 @@ class TritonAttentionBackend(AttentionBackend):
                                   max_keys=max_keys)
 
     def decode_metadata(self, kv_start: torch.Tensor, kv_len: torch.Tensor,
-                        out_cache_loc: torch.Tensor, max_kv_len: int) -> TritonAttnMetadata:
+                        out_cache_loc: torch.Tensor, max_kv_len: int, one_token: bool = False
+                        ) -> TritonAttnMetadata:
         """One query per request over `kv_len[b]` keys; `max_kv_len` (a host bound, e.g. the
         context limit in a graph) picks the split-K, or the context limit itself when
-        `fixed_decode_splits` (CUDA: one compiled kernel per batch bucket)."""
+        `fixed_decode_splits` (CUDA: one compiled kernel per batch bucket). `one_token`: the
+        target's forward of one new token per request (not a verify or a draft), whose
+        attention may read the earlier keys early (`attention_triton.DECODE_PREFETCH`)."""
         if self.fixed_decode_splits:
             max_kv_len = max(max_kv_len, self.width)
         splits = default_num_splits(kv_start.shape[0], self.kv_pool.kv_heads, max_kv_len,
                                     self.sm_count)
         return TritonAttnMetadata(kv_start=kv_start, out_cache_loc=out_cache_loc, kv_len=kv_len,
-                                  num_splits=splits)
+                                  num_splits=splits, one_token=one_token)
 
     def verify_metadata(self, kv_start: torch.Tensor, prefix_len: torch.Tensor,
                         extend_len: torch.Tensor, q_start: torch.Tensor, mask: torch.Tensor,
@@ -210,7 +214,8 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.decode:
             return decode_attention(q, k_buf, v_buf, table, meta.kv_start, meta.kv_len,
                                     scale, size_limit=limit, num_splits=meta.num_splits,
-                                    layer=layer, checked=check, defer_merge=defer_merge)
+                                    layer=layer, checked=check, defer_merge=defer_merge,
+                                    one_token=meta.one_token and meta.reads_checked)
         return extend_attention(q, k_buf, v_buf, table, meta.kv_start, meta.prefix_len,
                                 meta.extend_len, meta.q_start, scale, size_limit=limit,
                                 mask=meta.mask, max_extend=meta.max_extend, layer=layer,

@@ -237,7 +237,13 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
               # a whole decode chain as one graph at batch <= 4 (`_cg`:
               # cuda_graph.CHAIN_GRAPH_MAX_BATCH, off until measured)
               "plain_cg": None, "plain_k64_cg": None, "plain_omerge_cg": None,
-              "plain_omerge_k64_cg": None})
+              "plain_omerge_k64_cg": None,
+              # the decode kernel's first key tile read before its PDL wait (`_dpf`:
+              # attention_triton.DECODE_PREFETCH, off until measured), alone and with the rest
+              "plain_dpf": None, "plain_omerge_dpf": None, "plain_omerge_k64_cg_dpf": None,
+              "plain_omerge_sp8_k64_cg_dpf": None,
+              "adaptive_eagle3_dpf": MODES["adaptive_eagle3"],
+              "adaptive_eagle3_omerge_k64_cg_dpf": MODES["adaptive_eagle3"]})
 
 # adaptive with its cost cells measured as each step ran (`_rawcost`: adaptive_worker.
 # CHAINED_COSTS off, as shipped before 2026-12-06 evening) or as chains run (`_ccost`: on, the
@@ -252,11 +258,12 @@ MODES.update({f"{m}_{v}": MODES[m] for m in ("adaptive", "adaptive_eagle3",
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
             "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
-            "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg")
+            "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg", "_dpf")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
                    "cg": ("eaglekv.cuda_graph", "CHAIN_GRAPH_MAX_BATCH", 4),
+                   "dpf": ("eaglekv.kernels.attention_triton", "DECODE_PREFETCH", True),
                    "fmerge": ("eaglekv.kernels.attention_triton", "FUSED_DECODE_MERGE", True),
                    "pdl": ("eaglekv.kernels.pdl", "PDL", True),
                    "nopdl": ("eaglekv.kernels.pdl", "PDL", False),
@@ -1404,6 +1411,7 @@ def chained_vs_1step(result: dict) -> None:
                               ("merge_in_o_proj_vs_separate", "_omerge", True),
                               ("decode_eight_splits_vs_shipped", "_sp8", True),
                               ("chain_graph_vs_replays", "_cg", True),
+                              ("decode_prefetch_vs_none", "_dpf", True),
                               ("greedy_pick_split_vs_one_program", "_gp1", False)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}

@@ -242,7 +242,7 @@ class DecodePartials:
 
 def decode_attention(q, k_buffer, v_buffer, table, kv_start, kv_len, scale, *, size_limit,
                      num_splits=None, max_kv_len=None, layer=None, out=None,
-                     checked=True, defer_merge=False):
+                     checked=True, defer_merge=False, one_token=False):
     """q (B, H, D) -> (B, H, D): query b over the keys pos < kv_len[b] (split-K on CUDA).
 
     `num_splits` defaults from `max_kv_len` (a host bound, default table.numel()) and B;
@@ -250,7 +250,10 @@ def decode_attention(q, k_buffer, v_buffer, table, kv_start, kv_len, scale, *, s
     `checked=False`: the caller has checked every table position and slot this call reads
     (`table_guard.guard_table_rows`), so the Triton kernel reads them without checks (the
     PyTorch path checks whatever it is told). `defer_merge`: the Triton path may return
-    `DecodePartials` (split-K, the merge not yet run) instead of a tensor.
+    `DecodePartials` (split-K, the merge not yet run) instead of a tensor. `one_token`: only
+    each query's last key was stored by the forward this call is part of (a target decode):
+    with `checked=False` the Triton kernel may read the others before its PDL wait
+    (`attention_triton.DECODE_PREFETCH`).
     """
     op = "decode_attention"
     H, hkv, D = _check_common(op, q, k_buffer, v_buffer, table, size_limit, scale,
@@ -271,7 +274,8 @@ def decode_attention(q, k_buffer, v_buffer, table, kv_start, kv_len, scale, *, s
     out = torch.empty_like(q) if out is None else out
     return _triton_impl().decode_attention_triton(q, k_buffer, v_buffer, table, kv_start,
                                                   kv_len, float(scale), size_limit,
-                                                  num_splits, layer, out, checked, defer_merge)
+                                                  num_splits, layer, out, checked, defer_merge,
+                                                  one_token)
 
 
 def extend_attention(q, k_buffer, v_buffer, table, kv_start, prefix_len, extend_len, q_start,

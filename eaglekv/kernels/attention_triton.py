@@ -153,9 +153,22 @@ def _attend(q, k_ptr, v_ptr, slot, load, ok, visible, kvh, k_s0, k_s1, v_s0, v_s
     """One key tile, online softmax. q (M, DP); slot/load/ok (N,): the rows read, the keys
     that count; visible (M, N) or (1, N). Offsets are int64: slot * row stride passes 2**31
     on large pools."""
+    k, v = _load_kv(k_ptr, v_ptr, slot, load, kvh, k_s0, k_s1, v_s0, v_s1, d, dmask)
+    return _attend_kv(q, k, v, ok, visible, m_i, l_i, acc, qk_scale, F32DOT)
+
+
+@triton.jit
+def _load_kv(k_ptr, v_ptr, slot, load, kvh, k_s0, k_s1, v_s0, v_s1, d, dmask):
+    """The K and V rows (N, DP) of kv head kvh at `slot` where `load` (else 0)."""
     kv_mask = load[:, None] & dmask[None, :]                           # (N, DP)
     k = tl.load(k_ptr + slot[:, None] * k_s0 + kvh * k_s1 + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + slot[:, None] * v_s0 + kvh * v_s1 + d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_kv(q, k, v, ok, visible, m_i, l_i, acc, qk_scale, F32DOT: tl.constexpr):
+    """`_attend` over K and V rows already loaded."""
     if F32DOT:   # fp32 products, not tf32 (fp32 inputs; bf16 under the interpreter)
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -180,7 +193,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
                    DP: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                    SP: tl.constexpr, FUSED_MERGE: tl.constexpr, F32DOT: tl.constexpr,
                    CHECK: tl.constexpr, USE_GDC: tl.constexpr = False,
-                   MIN_CHUNK: tl.constexpr = 0):
+                   MIN_CHUNK: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
     """Program (b, kv head, split): the G query heads of one kv head (rows padded to GP) over
     keys [lo, hi), lo = split * chunk, hi = min(lo + chunk, kv_len), chunk = cdiv(kv_len,
     SPLITS) (at least MIN_CHUNK: the splits past kv_len are empty). SPLITS == 1 writes the
@@ -192,11 +205,19 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
     draws SPLITS - 1), and the last one merges its G heads (`_merge_row`) and puts the ticket
     back to 0 for the next launch. Bad slots and positions outside the table are reported by
     kv head 0 (each key is in one split). USE_GDC (PDL, kernels/pdl.py): every input is an
-    earlier kernel's output (q, the K/V just stored, the table), so the wait comes first."""
+    earlier kernel's output (q, the K/V just stored, the table), so the wait comes first.
+    PREFETCH (a one-token-per-request target decode whose table was checked and copied at the
+    forward's start, CHECK == 0; `DECODE_PREFETCH`): the lengths, the first key tile's slots
+    and the K/V of its keys before the last one come BEFORE the wait, since no kernel still
+    running writes them (the table copy and the lengths are made at the forward's start; the
+    earlier keys' K/V in earlier forwards; and a kernel that may start early has the one
+    before it past its own wait, so every kernel before that one is done); only q and the
+    last key's K/V (this forward's store, the kernel just before) are read after it. The
+    same tiles in the same order as without it: the same output bit for bit."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2).to(tl.int64)
-    if USE_GDC:
+    if USE_GDC and not PREFETCH:
         gdc_wait()
     kv_len = tl.load(len_ptr + b).to(tl.int64)
     base = tl.load(start_ptr + b).to(tl.int64)
@@ -210,8 +231,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
     hmask = g < G
     d = tl.arange(0, DP)
     dmask = d < D
-    q = tl.load(q_ptr + b * q_s0 + h[:, None] * q_s1 + d[None, :] * q_s2,
-                mask=hmask[:, None] & dmask[None, :], other=0.0)       # (GP, DP)
     m_i = tl.full([GP], _NEG, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
@@ -219,7 +238,26 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
     cid = call_id.to(tl.int64)
     every = tl.full([1, BLOCK_N], 1, tl.int1)                          # no causal mask
     jlo, jhi = _in_table(base, lo, hi, n_table, CHECK)                 # the rest: not read
-    for n0 in range(jlo, jhi, BLOCK_N):
+    first = jlo
+    if PREFETCH:                      # CHECK == 0: the table's slots as they are
+        j = jlo + tl.arange(0, BLOCK_N).to(tl.int64)
+        live = j < jhi
+        slot = tl.load(table_ptr + base + j, mask=live, other=0).to(tl.int64)
+        k, v = _load_kv(k_ptr, v_ptr, slot, live & (j < kv_len - 1), kvh, k_s0, k_s1, v_s0,
+                        v_s1, d, dmask)                                 # the earlier keys
+        if USE_GDC:
+            gdc_wait()
+        last = live & (j == kv_len - 1)                                 # this forward's key
+        k_new, v_new = _load_kv(k_ptr, v_ptr, slot, last, kvh, k_s0, k_s1, v_s0, v_s1, d,
+                                dmask)
+        k = tl.where(last[:, None], k_new, k)
+        v = tl.where(last[:, None], v_new, v)
+    q = tl.load(q_ptr + b * q_s0 + h[:, None] * q_s1 + d[None, :] * q_s2,
+                mask=hmask[:, None] & dmask[None, :], other=0.0)       # (GP, DP)
+    if PREFETCH:
+        m_i, l_i, acc = _attend_kv(q, k, v, live, every, m_i, l_i, acc, qk_scale, F32DOT)
+        first = jlo + BLOCK_N
+    for n0 in range(first, jhi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)                    # (BLOCK_N,) key index
         slot, load, ok = _load_slots(table_ptr, base, j, j < jhi, n_table, size_limit, report,
                                err_ptr, (cid + 1) << 32, CHECK)
@@ -460,11 +498,14 @@ def _check_level(checked: bool) -> int:
 
 def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scale: float,
                             size_limit: int, num_splits: int, layer, out, checked=True,
-                            defer_merge=False):
+                            defer_merge=False, one_token=False):
     """Arguments checked by `attention.decode_attention`; writes and returns `out` (B, H, D).
     checked=False: the table was checked before (`table_guard`), the kernel reads it as is.
     defer_merge: with split-K (and the merge not fused), skip the merge launch and return the
-    partials (`attention.DecodePartials`) for the consumer to merge (`fused.gemv_merge`)."""
+    partials (`attention.DecodePartials`) for the consumer to merge (`fused.gemv_merge`).
+    one_token: a target forward of one new token per request (only each request's last key
+    was stored by this forward): with `DECODE_PREFETCH` and the table checked before, the
+    kernel reads the earlier keys before its PDL wait."""
     B, H, D = q.shape
     hkv = k_buffer.shape[1]
     if B == 0:
@@ -490,6 +531,7 @@ def decode_attention_triton(q, k_buffer, v_buffer, table, kv_start, kv_len, scal
         v_buffer.stride(0), v_buffer.stride(1), H=H, G=G, GP=GP, D=D, DP=DP,
         BLOCK_N=block_n, SPLITS=num_splits, SP=sp, FUSED_MERGE=fused,
         F32DOT=_f32_dot(q.dtype), CHECK=check, USE_GDC=use_pdl, MIN_CHUNK=DECODE_MIN_CHUNK,
+        PREFETCH=DECODE_PREFETCH and one_token and check == 0,
         num_warps=DECODE_WARPS, num_stages=key_loop_stages(check, True),
         **pdl.launch_options(use_pdl))
     if num_splits > 1 and not fused:
@@ -519,6 +561,13 @@ def merge_decode_partials(mid_o, mid_lse, out):
 DECODE_BLOCK_N: int | None = None
 DECODE_WARPS = 4
 DECODE_MIN_CHUNK = 0
+# A one-token decode's first key tile (its slots and the K/V of every key but the last) read
+# before the kernel's PDL wait (`_decode_kernel`'s PREFETCH), so the table -> K/V chain of
+# dependent loads overlaps the kernel before it (qkv + RoPE + store) instead of following it:
+# at batch 1 on the H200 each of the 30 decode launches took 3.3 us a token (2026-12-06). Built
+# 2026-12-07 on the CPU (bit for bit the same output under the interpreter), not yet timed:
+# off until it is (EAGLEKV_DECODE_PREFETCH=1, the bench's `*_dpf` modes).
+DECODE_PREFETCH = os.environ.get("EAGLEKV_DECODE_PREFETCH", "0") == "1"
 # The split-K decode's merge inside the decode launch (`_decode_kernel`'s FUSED_MERGE): the
 # separate merge kernel ran 1.33 us a launch at batch 1 on the H100, once a layer (2026-12-05:
 # plain's decode 3.25 us + merge 1.33 us of the ~23 us a layer). Built on the CPU (interpreter,

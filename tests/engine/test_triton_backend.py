@@ -275,3 +275,31 @@ def test_decode_merge_in_the_o_projection_equals_torch(tiny_dir, reference, monk
     assert merged and min(merged) > 1
     if not ON_GPU:       # eager steps: every decode's merge went to the o projection
         assert not separate
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "eagle-S3"])
+def test_decode_prefetch_equals_torch(tiny_dir, reference, monkeypatch, speculative):
+    """With the decode kernel's early reads on (`attention_triton.DECODE_PREFETCH`) only the
+    target's one-token decodes over the checked table copy take them (never a verify through
+    the decode kernel nor a draft step, whose other new keys the kernel before is storing),
+    and greedy output equals the torch backend's, speculative or not."""
+    from eaglekv.kernels import attention_triton
+    monkeypatch.setattr(attention_triton, "DECODE_PREFETCH", True)
+    calls = []
+    real = attention_triton.decode_attention_triton
+
+    def spy(*a, **kw):       # positional tail: (..., checked, defer_merge, one_token)
+        calls.append((a[-1], a[-3]))
+        return real(*a, **kw)
+    monkeypatch.setattr(attention_triton, "decode_attention_triton", spy)
+    opts = dict(speculative=spec("eagle")) if speculative else {}
+    engine = tiny_engine(tiny_dir, device=DEV, max_running_requests=3,
+                         attention_backend="triton", **opts)
+    assert [o.token_ids for o in engine.generate(PROMPTS, SP)] == reference
+    engine.check_memory()
+    assert engine.allocator.is_full()
+    assert calls
+    early = [checked for one_token, checked in calls if one_token]
+    assert not any(early)                    # over the checked table copy only
+    # a speculative engine's decode-kernel calls are verifies and draft steps: none early
+    assert (len(early) > 0) == (not speculative)

@@ -246,6 +246,52 @@ def test_decode_merge_in_the_o_projection(shape, dtype, kv_len, splits):
     assert not fused.merge_fits(8, 96) and not fused.merge_fits(32, 128)
 
 
+class _LaunchSpy:
+    """Stands in for a Triton kernel: records each launch's constexpr `name`, then launches."""
+
+    def __init__(self, kernel, name):
+        self.kernel, self.name, self.seen = kernel, name, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kw):
+            self.seen.append(kw.get(self.name))
+            return launch(*args, **kw)
+        return run
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens,splits", [([70, 1, 0, 9], 1), ([70, 2, 130], 3),
+                                         ([19, 1], 16)])
+def test_decode_prefetch_is_the_same_kernel(page_size, dtype, lens, splits, monkeypatch):
+    """`DECODE_PREFETCH` (a one-token decode over a checked table reads its first key tile,
+    all but the last key, before the PDL wait): the same output bit for bit as without it,
+    over requests of 0, 1, 2 keys, two and three key tiles (70 and 130 keys, tiles of 64),
+    splits past the keys; and only a `one_token` call over a checked table takes it."""
+    from eaglekv.kernels import attention_triton
+    H, hkv, D = 9, 3, 64
+    g = torch.Generator().manual_seed(sum(lens) + splits + page_size)
+    table, start, rows = paged_table(lens, page_size, g)
+    kb, vb = kv_buffers(rows, hkv, D, dtype, g)
+    q = torch.randn(len(lens), H, D, generator=g).to(dtype)
+    args = (*to_dev(q, kb, vb, table, start, torch.tensor(lens)), D ** -0.5)
+    spy = _LaunchSpy(attention_triton._decode_kernel, "PREFETCH")
+    monkeypatch.setattr(attention_triton, "_decode_kernel", spy)
+    kw = dict(size_limit=rows, num_splits=splits, checked=False, one_token=True)
+    monkeypatch.setattr(attention_triton, "DECODE_PREFETCH", False)
+    want = decode_attention(*args, **kw)
+    monkeypatch.setattr(attention_triton, "DECODE_PREFETCH", True)
+    got = decode_attention(*args, **kw)
+    decode_attention(*args, **{**kw, "one_token": False})      # a verify's or a draft's
+    decode_attention(*args, **{**kw, "checked": True})          # the kernel checks the table
+    assert spy.seen == [False, True, False, False]
+    assert torch.equal(got, want)
+    close(got, decode_attention_torch(q, kb, vb, table, start, torch.tensor(lens), D ** -0.5,
+                                      size_limit=rows), dtype)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_empty_sequence_and_out(splits):
     """kv_len 0 gives zeros (not NaN); `out=` is written in place and returned."""
