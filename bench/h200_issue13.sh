@@ -177,7 +177,7 @@ PY
     timeout "${BENCH_TIMEOUT:-300}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
       --model /root/rnd --new-tokens 256 --repeats "${REPEATS:-3}" --no-hf --table \
       --batches "${BATCHES:-1,4,64}" \
-      --modes "${MODES:-plain,plain_omerge,plain_omerge_sp8,plain_k64,plain_cg,plain_dpf,plain_omerge_dpf,plain_omerge_k64_cg,plain_omerge_k64_cg_dpf,plain_omerge_sp8_k64_cg_dpf}" \
+      --modes "${MODES:-plain,plain_omerge,plain_omerge_sp8,plain_k64,plain_cg,plain_dpf,plain_omerge_dpf,plain_omerge_k64_cg,plain_omerge_k64_cg_dpf,plain_omerge_sp8_k64_cg_dpf,plain_bk2k,plain_omerge_k64_cg_dpf_bk2k}" \
       --out "$OUT/omerge" 2>&1 | tail -c 20000 > "$OUT/omerge/bench.log"
     tail -4 "$OUT/omerge/bench.log"
     timeout "${TESTS_TIMEOUT:-100}" python3 -m pytest -q -m gpu -p no:cacheprovider \

@@ -242,6 +242,8 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
               # attention_triton.DECODE_PREFETCH, off until measured), alone and with the rest
               "plain_dpf": None, "plain_omerge_dpf": None, "plain_omerge_k64_cg_dpf": None,
               "plain_omerge_sp8_k64_cg_dpf": None,
+              # K tiles of 2048 (`_bk2k`): down's K of 1536 in the tile read before the wait
+              "plain_bk2k": None, "plain_omerge_k64_cg_dpf_bk2k": None,
               "adaptive_eagle3_dpf": MODES["adaptive_eagle3"],
               "adaptive_eagle3_omerge_k64_cg_dpf": MODES["adaptive_eagle3"]})
 
@@ -258,7 +260,7 @@ MODES.update({f"{m}_{v}": MODES[m] for m in ("adaptive", "adaptive_eagle3",
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
             "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
-            "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg", "_dpf")
+            "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg", "_dpf", "_bk2k")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -338,11 +340,14 @@ def make_engine(args, mode: str, max_batch: int) -> Engine:
         fused.FUSE_GEMV = "gemv" in parts
     if "gemv8" in parts:
         fused.GEMV_MAX_ROWS = 8
-    tile = None
-    if "gt1k" in parts:          # the gemv's BLOCK_M * BLOCK_K capped (fused_triton.gemv_block_k)
+    gemv_config = None
+    if "gt1k" in parts or "bk2k" in parts:
         from eaglekv.kernels import fused_triton
-        tile = fused_triton.GEMV_CONFIG["max_tile"]
-        fused_triton.GEMV_CONFIG["max_tile"] = 1024
+        gemv_config = dict(fused_triton.GEMV_CONFIG)
+        if "gt1k" in parts:      # the gemv's BLOCK_M * BLOCK_K capped (fused_triton.gemv_block_k)
+            fused_triton.GEMV_CONFIG["max_tile"] = 1024
+        if "bk2k" in parts:      # K tiles of 2048: SmolLM2's down (K 1536) in the one tile
+            fused_triton.GEMV_CONFIG["block_k"] = 2048    # the kernel reads before its wait
     undo = []
     for part, (module, attr, value) in MODULE_VARIANTS.items():
         if part in parts:
@@ -354,8 +359,9 @@ def make_engine(args, mode: str, max_batch: int) -> Engine:
             return _make_engine(args, mode, max_batch)
     finally:
         fused.FUSE_NORM_MATMUL, fused.FUSE_GEMV, fused.GEMV_MAX_ROWS = default
-        if tile is not None:
-            fused_triton.GEMV_CONFIG["max_tile"] = tile
+        if gemv_config is not None:
+            fused_triton.GEMV_CONFIG.clear()
+            fused_triton.GEMV_CONFIG.update(gemv_config)
         for mod, attr, was in reversed(undo):
             setattr(mod, attr, was)
 
@@ -1412,6 +1418,7 @@ def chained_vs_1step(result: dict) -> None:
                               ("decode_eight_splits_vs_shipped", "_sp8", True),
                               ("chain_graph_vs_replays", "_cg", True),
                               ("decode_prefetch_vs_none", "_dpf", True),
+                              ("gemv_k_tile_2048_vs_1024", "_bk2k", True),
                               ("greedy_pick_split_vs_one_program", "_gp1", False)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}
