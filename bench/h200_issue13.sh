@@ -170,14 +170,17 @@ PY
     # 2026-12-07 (twentieth session): no staging needed. Copies the model's first half if it
     # was carried (.carry/smollm2/a, for a later call), then times the merge in the o
     # projection on a random SmolLM2-shaped model (plain decode's time does not depend on the
-    # weights' values: EOS is ignored), the 8B variants, and the cubins' registers
+    # weights' values: EOS is ignored), with the chain graph, the decode prefetch, chains of 64
+    # and K tiles of 2048; the parts of a speculative step (draft, verify, accept, extend) with
+    # a random EAGLE-3 head (fixed shapes in the step graph: accept 1 changes no part's
+    # kernels); the 8B variants; the cubins' registers
     if [ -f .carry/smollm2/a/part.aa ]; then mkdir -p /root/smollm2 && cp .carry/smollm2/a/part.aa /root/smollm2/; fi
     python3 -c "import sys; sys.path.insert(0, 'bench'); from profile_step import make_model; make_model('/root/rnd')"
     mkdir -p "$OUT/omerge" "$OUT/l8b"
-    timeout "${BENCH_TIMEOUT:-300}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
-      --model /root/rnd --new-tokens 256 --repeats "${REPEATS:-3}" --no-hf --table \
+    timeout "${BENCH_TIMEOUT:-330}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
+      --model /root/rnd --draft random --new-tokens 256 --repeats "${REPEATS:-3}" --no-hf --table \
       --batches "${BATCHES:-1,4,64}" \
-      --modes "${MODES:-plain,plain_omerge,plain_omerge_sp8,plain_k64,plain_cg,plain_dpf,plain_omerge_dpf,plain_omerge_k64_cg,plain_omerge_k64_cg_dpf,plain_omerge_sp8_k64_cg_dpf,plain_bk2k,plain_omerge_k64_cg_dpf_bk2k}" \
+      --modes "${MODES:-plain,plain_omerge,plain_k64,plain_cg,plain_dpf,plain_bk2k,plain_omerge_dpf,plain_omerge_k64_cg,plain_omerge_k64_cg_dpf,plain_omerge_sp8_k64_cg_dpf,plain_omerge_k64_cg_dpf_bk2k,eagle3_chain_S3K1N4,eagle3_chain_S7K1N8}" \
       --out "$OUT/omerge" 2>&1 | tail -c 20000 > "$OUT/omerge/bench.log"
     tail -4 "$OUT/omerge/bench.log"
     timeout "${TESTS_TIMEOUT:-100}" python3 -m pytest -q -m gpu -p no:cacheprovider \
