@@ -205,8 +205,9 @@ class DecodeGraphs(CapturedForwards):
                 raise ValueError(f"decode chain of {k} steps: the chain graphs hold "
                                  f"{self.chain_steps}")
             host = torch.zeros(k, *self.host.shape, dtype=torch.int64)
+            host[:, 5] = 1                    # every row starts as padding, one key (capture)
             self.chain = (host.pin_memory() if self.capture else host,
-                          torch.zeros(k, *self.dev.shape, dtype=torch.int64, device=self.device),
+                          host.to(self.device, copy=True),
                           torch.zeros(k, self.dev.shape[1], 2, dtype=torch.int64,
                                       device=self.device))
         return self.chain
