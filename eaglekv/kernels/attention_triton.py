@@ -238,7 +238,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
     cid = call_id.to(tl.int64)
     every = tl.full([1, BLOCK_N], 1, tl.int1)                          # no causal mask
     jlo, jhi = _in_table(base, lo, hi, n_table, CHECK)                 # the rest: not read
-    first = jlo
+    q_at = q_ptr + b * q_s0 + h[:, None] * q_s1 + d[None, :] * q_s2
+    q_mask = hmask[:, None] & dmask[None, :]
     if PREFETCH:                      # CHECK == 0: the table's slots as they are
         j = jlo + tl.arange(0, BLOCK_N).to(tl.int64)
         live = j < jhi
@@ -252,11 +253,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, len_ptr, out_ptr, 
                                 dmask)
         k = tl.where(last[:, None], k_new, k)
         v = tl.where(last[:, None], v_new, v)
-    q = tl.load(q_ptr + b * q_s0 + h[:, None] * q_s1 + d[None, :] * q_s2,
-                mask=hmask[:, None] & dmask[None, :], other=0.0)       # (GP, DP)
-    if PREFETCH:
+        q = tl.load(q_at, mask=q_mask, other=0.0)                       # (GP, DP)
         m_i, l_i, acc = _attend_kv(q, k, v, live, every, m_i, l_i, acc, qk_scale, F32DOT)
         first = jlo + BLOCK_N
+    else:
+        q = tl.load(q_at, mask=q_mask, other=0.0)                       # (GP, DP)
+        first = jlo
     for n0 in range(first, jhi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N).to(tl.int64)                    # (BLOCK_N,) key index
         slot, load, ok = _load_slots(table_ptr, base, j, j < jhi, n_table, size_limit, report,

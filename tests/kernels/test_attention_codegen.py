@@ -44,7 +44,7 @@ def copies(fn, constexprs, num_stages):
     return k.asm["ttgir"].count("async_copy")
 
 DEC = dict(H=9, G=3, GP=16, D=64, DP=64, BLOCK_N=64, SPLITS=4, SP=4, FUSED_MERGE=False,
-           F32DOT=False, USE_GDC=False)
+           F32DOT=False, USE_GDC=False, MIN_CHUNK=0, PREFETCH=False)
 EXT = dict(H=9, G=3, GP=4, D=64, DP=64, BLOCK_M=16, BLOCK_N=64, CUSTOM=True, F32DOT=False)
 short = 8 <= at.SHORT_EXTEND                                     # a verify window of 8
 out = {f"decode{c}": copies(at._decode_kernel, dict(DEC, CHECK=c), at.key_loop_stages(c, True))
@@ -147,6 +147,9 @@ for M in (1, 4):       # the qkv gemv with the rope epilogue (fused.FUSE_GEMV_RO
         vc_ptr="*bf16"), cx, num_stages=2, launch_pdl=True)[0])
 out["decode_gdc"] = gdc(ptx_of(at._decode_kernel, PTRS, dict(DEC, CHECK=0, USE_GDC=True),
                                num_stages=3)[0])
+out["decode_prefetch_gdc"] = gdc(ptx_of(at._decode_kernel, PTRS,
+                                        dict(DEC, CHECK=0, USE_GDC=True, PREFETCH=True),
+                                        num_stages=3)[0])
 out["merge_gdc"] = gdc(ptx_of(at._merge_kernel, PTRS, dict(H=9, D=64, DP=64, SPLITS=16, SP=16,
                                                            USE_GDC=True))[0])
 out["extend_gdc"] = gdc(ptx_of(at._extend_kernel, PTRS, dict(EXT, CHECK=1, USE_GDC=True),
@@ -247,3 +250,11 @@ def test_pdl_kernels_wait_before_their_first_load(async_copies, kernel):
     (attention_triton.EXTEND_PDL, off by default) read only what earlier kernels wrote: under
     PDL their first global load comes after `griddepcontrol.wait`."""
     assert async_copies[kernel] == {"wait": True, "trigger": True, "load_before_wait": False}
+
+
+def test_decode_prefetch_loads_before_its_wait(async_copies):
+    """With `DECODE_PREFETCH` (a one-token decode over the checked table copy) the decode
+    kernel's first global loads (the lengths, the first tile's slots, the older keys' K/V)
+    come before `griddepcontrol.wait`; it still waits and lets the next kernel launch."""
+    assert async_copies["decode_prefetch_gdc"] == {"wait": True, "trigger": True,
+                                                   "load_before_wait": True}
