@@ -221,7 +221,7 @@ class StepPlan:
     kind "extend": every request of `reqs` extends its cached prefix by `ids[i]` (a prompt
     chunk, or the one last sampled token), at positions `prefix_lens[i]...`, into `slots[i]`
     (allocated and written into req_to_token already; `req.kv_len` counts them). A request
-    whose prompt is complete (`kv_len == len(all_ids)`) samples. Plain decoding is always an
+    whose prompt is complete (`kv_len == num_ids`) samples. Plain decoding is always an
     extend; so is a speculative prefill (chunk).
     kind "decode": a speculative step (draft, verify, accept) for each of `reqs`; the runner
     takes its own draft and verify slots, for which the scheduler reserved room."""
@@ -235,7 +235,7 @@ class StepPlan:
     @property
     def sampling(self) -> list[int]:
         """Indices (into reqs) of the requests that sample this step (extend)."""
-        return [i for i, r in enumerate(self.reqs) if r.kv_len == len(r.all_ids)]
+        return [i for i, r in enumerate(self.reqs) if r.kv_len == r.num_ids]
 
 
 @dataclass

@@ -182,7 +182,9 @@ def sample_requests(logits: torch.Tensor, reqs: list) -> tuple[list[int | None],
     penalties on each request's output and context, sampling (one host sync), logprobs of the
     raw logits. A None token means the request's distribution was unusable: it fails alone."""
     params = [r.params for r in reqs]
+    # a request's whole context is joined only where a penalty reads it (O(length) each)
     penalized = apply_penalties(logits, params, [r.output_ids for r in reqs],
-                                [r.all_ids for r in reqs])
+                                [r.all_ids if p.has_penalties else [] for r, p in
+                                 zip(reqs, params)])
     tokens = sample_next(penalized, params, [r.generator for r in reqs])    # the step's sync
     return tokens, batch_logprobs(logits, tokens, params)

@@ -41,12 +41,28 @@ class Req:
 
     @property
     def all_ids(self) -> list[int]:
+        """The prompt and the output, one new list (O(length): not for a per-step path)."""
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_ids(self) -> int:
+        """len(all_ids), without building it."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """len(pending_ids), without building it."""
+        return self.num_ids - self.kv_len
+
+    @property
     def pending_ids(self) -> list[int]:
-        """Tokens to extend by in the next forward (the prompt, or the last sampled token)."""
-        return self.all_ids[self.kv_len:]
+        """Tokens to extend by in the next forward (the prompt, or the last sampled token),
+        sliced from the prompt and the output without joining the whole sequence (a decode
+        step of a long context reads one token)."""
+        k, p = self.kv_len, len(self.prompt_ids)
+        if k >= p:
+            return self.output_ids[k - p:]
+        return self.prompt_ids[k:] + self.output_ids
 
     @property
     def finished(self) -> bool:

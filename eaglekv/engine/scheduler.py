@@ -126,7 +126,7 @@ class Scheduler:
         while self.waiting and self.req_to_token.free_rows:
             i = next_to_admit(self.waiting, per_group)
             req = self.waiting[i]
-            need = self.allocator.pages_needed(0, len(req.pending_ids)) * ps
+            need = self.allocator.pages_needed(0, req.num_pending) * ps
             # room for each running request's next step: one token, or a speculative step
             headroom = ps * sum(self.runner.step_pages(r.kv_len) for r in self.running)
             if self.running and self.allocator.available_slots() < need + headroom:
@@ -160,7 +160,7 @@ class Scheduler:
         `chunked_prefill_size` tokens max-min fairly (fairness.prefill_shares); a prompt
         longer than its share is prefilled over several steps, the decodes keep running."""
         limit = self.config.chunked_prefill_size
-        pending = [len(r.pending_ids) for r in reqs]
+        pending = [r.num_pending for r in reqs]
         if limit is None:
             return list(zip(reqs, pending))
         prefills = [i for i, n in enumerate(pending) if n > 1]
@@ -173,7 +173,7 @@ class Scheduler:
     def _plan_extend(self, takes: list[tuple[Req, int]]) -> StepPlan:
         """Slots for each request's next `n` pending tokens, written into req_to_token; the
         plan holds those still running (allocation may preempt). A request has all its
-        tokens in the cache (and samples) when `req.kv_len == len(req.all_ids)`."""
+        tokens in the cache (and samples) when `req.kv_len == req.num_ids`."""
         decode = self._plan_decodes([req for req, n in takes if n == 1])
         planned = []
         for req, n in takes:

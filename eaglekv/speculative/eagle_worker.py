@@ -173,7 +173,8 @@ class EagleWorker:
                 r, p = reqs[i], plan.prefix_lens[i]
                 ids.append(r.all_ids[p + 1:r.kv_len] + (res.tokens[i] or
                                                          [r.all_ids[r.kv_len]]))
-                ctx.append(r.all_ids + (res.tokens[i] or []))
+                if self.drafter.needs_contexts:      # O(length): only for a drafter that reads it
+                    ctx.append(r.all_ids + (res.tokens[i] or []))
             cu = [0]
             for ext in extend_lens:
                 cu.append(cu[-1] + ext)
@@ -417,7 +418,8 @@ class EagleWorker:
                 prefix.append(r.kv_len)
                 slots.append(vslots[b, :a + 1])
                 hidden.append(hid[b, :a + 1])
-                ctx.append(r.all_ids + toks[b][:a + 1])
+                if self.drafter.needs_contexts:
+                    ctx.append(r.all_ids + toks[b][:a + 1])
         self._count([a for a, g in zip(acc, good) if g])
         if window is not None:  # the draft already ran over the window, before the sync
             for b, r in enumerate(reqs):

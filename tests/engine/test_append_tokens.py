@@ -32,3 +32,19 @@ def test_fast_path_equals_the_token_loop(tokens, done, max_new, stop_ids, ignore
     assert kept == want == ahead
     assert fast.output_ids == loop.output_ids
     assert fast.finish_reason == loop.finish_reason
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.lists(TOK, min_size=1, max_size=7), done=st.lists(TOK, max_size=6),
+       data=st.data())
+def test_pending_ids_without_joining_the_sequence(prompt, done, data):
+    """pending_ids / num_pending / num_ids (the scheduler's per-step reads, which no longer
+    join prompt and output) equal their definitions over the whole sequence, at every
+    cached length from an empty cache to all of it."""
+    r = Req(rid=0, prompt_ids=list(prompt), params=SamplingParams(), generator=None,
+            eos_ids=frozenset(), output_ids=list(done))
+    r.kv_len = data.draw(st.integers(0, len(prompt) + len(done)))
+    whole = list(prompt) + list(done)
+    assert r.num_ids == len(whole)
+    assert r.pending_ids == whole[r.kv_len:]
+    assert r.num_pending == len(whole) - r.kv_len
