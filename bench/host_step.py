@@ -4,8 +4,11 @@ timed is the scheduler, the allocator, the packing of the graph inputs and the c
 part of a GPU step that no CUDA graph hides. Also counts the torch ops the host dispatches per
 step outside the stubbed forward (each costs ~20-30 us of launch on the H200's host).
 
-    python bench/host_step.py [--batches 1,4,16,64] [--steps 200] [--chain 8]
+    python bench/host_step.py [--batches 1,4,16,64] [--steps 200] [--chain 8] [--context N]
                               [--modes "plain,eagle S5K1N6,eagle S5K1N6 chained"] [--out F.json]
+    --context N: the requests first decode (untimed, the device stubbed) until each holds N
+    tokens, so the timed steps are those of long contexts (a per-step cost that grows with
+    the context shows there; the model's positions are widened to fit)
     modes: plain, "eagle S5K1N6[ chained]", "adaptive S5K1N6[ chained]" (adaptive over S5 and
     S3 with costs that always choose S5: the policy's host work on top of the fixed S5's)
 
@@ -60,9 +63,16 @@ def count_ops(fn) -> Counter:
                     if e.key.startswith("aten::") and not e.key.startswith("aten::_")})
 
 
-def run(tiny: Path, mode: str, batch: int, steps: int, chain: int = 8) -> dict:
+def context_limit(context: int, steps: int, chain: int) -> int:
+    """The tiny model's positions for `--context`: the contexts, the timed steps, a margin."""
+    return context + 8 * steps * chain + 512
+
+
+def run(tiny: Path, mode: str, batch: int, steps: int, chain: int = 8, context: int = 0) -> dict:
     kw = dict(max_running_requests=max(batch, 2), attention_backend="triton",
               max_total_tokens=batch * (max(steps * 8, 512) + 64) + 256)
+    if context:      # every request may run to the (widened) context limit
+        kw["max_total_tokens"] = max(batch, 2) * (context_limit(context, steps, chain) + 64)
     if mode.startswith("adaptive"):     # S5 always the choice: the policy's own host work
         kw["speculative"] = dict(algorithm="eagle", draft_model="random", adaptive=True,
                                  shapes=((5, 1, 6), (3, 1, 4)))
@@ -102,6 +112,8 @@ def run(tiny: Path, mode: str, batch: int, steps: int, chain: int = 8) -> dict:
             hidden[0] += time.perf_counter() - t0
         w._while_device = timed
     reqs = warm(e, batch, SamplingParams(max_new_tokens=e.max_context_len - 8, ignore_eos=True))
+    while context and min(r.kv_len for r in reqs) < context:      # untimed: grow the contexts
+        e.step()
     ops = count_ops(e.step)
     t = time.perf_counter()
     hidden[0] = 0.0
@@ -118,7 +130,7 @@ def run(tiny: Path, mode: str, batch: int, steps: int, chain: int = 8) -> dict:
         done += 1
     dt = time.perf_counter() - t
     toks = sum(len(r.output_ids) for r in reqs) - n0
-    return {"mode": mode, "batch": batch, "steps": done,
+    return {"mode": mode, "batch": batch, "steps": done, "context": min(r.kv_len for r in reqs),
             "host_ms_per_step": 1e3 * dt / done, "host_us_per_token": 1e6 * dt / toks,
             # the part of it a GPU hides behind the replay (AdaptiveWorker._while_device)
             "hidden_ms_per_step": 1e3 * hidden[0] / done,
@@ -133,15 +145,18 @@ def main() -> None:
     ap.add_argument("--chain", type=int, default=8,
                     help="plain: num_scheduler_steps; '... chained': speculative steps a chain")
     ap.add_argument("--modes", default="plain,eagle S5K1N6,eagle S5K1N6 chained")
+    ap.add_argument("--context", type=int, default=0,
+                    help="decode (untimed) until every request holds this many tokens first")
     ap.add_argument("--out")
     a = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        make_tiny(Path(d))
+        make_tiny(Path(d), **({"max_position_embeddings": context_limit(
+            a.context, a.steps, a.chain)} if a.context else {}))
         for b in [int(x) for x in a.batches.split(",")]:
             for mode in a.modes.split(","):
-                r = run(Path(d), mode, b, a.steps, a.chain)
+                r = run(Path(d), mode, b, a.steps, a.chain, a.context)
                 rows.append(r)
                 print(f"{mode:14s} b{b:<3d} {r['host_ms_per_step']:.3f} ms/step "
                       f"({r['hidden_ms_per_step']:.3f} hidden) "
