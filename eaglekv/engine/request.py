@@ -9,6 +9,7 @@ import torch
 
 from eaglekv.config import SamplingParams
 from eaglekv.core import Output, SpecStats, StreamDelta
+from eaglekv.engine.detok import IncrementalDetokenizer
 from eaglekv.errors import RequestFailed
 
 
@@ -38,6 +39,7 @@ class Req:
     _sent_text: int = 0
     _sent_tokens: int = 0
     _text_tokens: int = 0              # how many output tokens `text` reflects
+    _detok: IncrementalDetokenizer | None = None   # `text` while running (engine/detok.py)
 
     @property
     def all_ids(self) -> list[int]:
@@ -85,12 +87,24 @@ class Req:
             f"it finite; if these did, the model's logits were not finite (try float32)"))
 
     def refresh_text(self) -> str:
-        """Decode the output (lazily: plain generation decodes once, at the end)."""
+        """Decode the output (lazily: plain generation decodes once, at the end; a stream
+        incrementally while running, then once whole at the end)."""
         if self.tokenizer is not None and self._text_tokens != len(self.output_ids) \
                 and not (self.params.stop and self.finished):
-            self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
-            self._text_tokens = len(self.output_ids)
+            self._decode_output()
         return self.text
+
+    def _decode_output(self) -> None:
+        """`text` from the output: one whole decode once finished (the exact text), else the
+        incremental decoder's (O(new tokens); the same text where decoding composes)."""
+        if self.finished:
+            self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        else:
+            if self._detok is None:
+                self._detok = IncrementalDetokenizer(
+                    lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+            self.text = self._detok.update(self.output_ids)
+        self._text_tokens = len(self.output_ids)
 
     def append_tokens(self, tokens: list[int], logprobs: list | None = None) -> int:
         """Append tokens one by one until a stop rule fires; returns how many were kept.
@@ -145,8 +159,7 @@ class Req:
 
     def _hit_stop_string(self) -> bool:
         old_len = len(self.text)
-        self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
-        self._text_tokens = len(self.output_ids)
+        self._decode_output()
         longest = max(len(s) for s in self.params.stop)
         start = max(0, old_len - longest + 1)
         hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
