@@ -244,6 +244,8 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
               "plain_omerge_sp8_k64_cg_dpf": None,
               # K tiles of 2048 (`_bk2k`): down's K of 1536 in the tile read before the wait
               "plain_bk2k": None, "plain_omerge_k64_cg_dpf_bk2k": None,
+              # the two +2-3% settings together (a candidate default)
+              "plain_k64_bk2k": None,
               "adaptive_eagle3_dpf": MODES["adaptive_eagle3"],
               "adaptive_eagle3_omerge_k64_cg_dpf": MODES["adaptive_eagle3"]})
 
