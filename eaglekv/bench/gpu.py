@@ -246,6 +246,13 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
               "plain_bk2k": None, "plain_omerge_k64_cg_dpf_bk2k": None,
               # the two +2-3% settings together (a candidate default)
               "plain_k64_bk2k": None,
+              # the MLP in one launch (`_fmlp`: fused.FUSE_MLP, off until measured; down split
+              # into an fp32 accumulator by atomics), 4 / 16 intermediate columns a program at
+              # batch 1 (`_fmlp4`, `_fmlp16`; 8 by default)
+              "plain_fmlp": None, "plain_fmlp4": None, "plain_fmlp16": None,
+              "plain_k64_fmlp": None, "plain_k64_bk2k_fmlp": None,
+              "eagle3_chain_S3K1N4_fmlp": MODES["eagle3_chain_S3K1N4"],
+              "adaptive_eagle3_fmlp": MODES["adaptive_eagle3"],
               "adaptive_eagle3_dpf": MODES["adaptive_eagle3"],
               "adaptive_eagle3_omerge_k64_cg_dpf": MODES["adaptive_eagle3"]})
 
@@ -262,7 +269,8 @@ MODES.update({f"{m}_{v}": MODES[m] for m in ("adaptive", "adaptive_eagle3",
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
             "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
-            "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg", "_dpf", "_bk2k")
+            "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg", "_dpf", "_bk2k",
+            "_fmlp", "_fmlp4", "_fmlp16")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -351,6 +359,14 @@ def make_engine(args, mode: str, max_batch: int) -> Engine:
         if "bk2k" in parts:      # K tiles of 2048: SmolLM2's down (K 1536) in the one tile
             fused_triton.GEMV_CONFIG["block_k"] = 2048    # the kernel reads before its wait
     undo = []
+    fmlp = [p for p in parts if p.startswith("fmlp")]
+    if fmlp:                     # the MLP in one launch; fmlpN: N intermediate columns at M = 1
+        from eaglekv.kernels import fused_triton
+        undo += [(fused, "FUSE_MLP", fused.FUSE_MLP),
+                 (fused_triton, "MLP_CONFIG", fused_triton.MLP_CONFIG)]
+        fused.FUSE_MLP = True
+        if fmlp[0] != "fmlp":
+            fused_triton.MLP_CONFIG = {**fused_triton.MLP_CONFIG, 1: (int(fmlp[0][4:]), 4)}
     for part, (module, attr, value) in MODULE_VARIANTS.items():
         if part in parts:
             mod = importlib.import_module(module)
@@ -1421,6 +1437,7 @@ def chained_vs_1step(result: dict) -> None:
                               ("chain_graph_vs_replays", "_cg", True),
                               ("decode_prefetch_vs_none", "_dpf", True),
                               ("gemv_k_tile_2048_vs_1024", "_bk2k", True),
+                              ("mlp_one_launch_vs_two", "_fmlp", True),
                               ("greedy_pick_split_vs_one_program", "_gp1", False)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}

@@ -172,6 +172,8 @@ def norm_matmul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     if use_gemv(x, w, fused=True):
         return _triton_impl().gemv_triton(x, residual, norm_weight, float(eps), w, silu_mul,
                                           _check_gemv)
+    if residual is not None and x.dtype != residual.dtype:   # the fused MLP's fp32 output
+        x, residual = (x + residual.float()).to(residual.dtype), None    # s = round(x + r)
     if (FUSE_NORM_MATMUL and use_triton(x) and x.shape[0] <= NORM_MATMUL_MAX_ROWS
             and w.stride(-1) == 1):
         return _triton_impl().norm_matmul_triton(x, residual, norm_weight, float(eps), w,
@@ -288,10 +290,16 @@ def use_gemv(x: torch.Tensor, w: torch.Tensor, fused: bool = False) -> bool:
 
 def _check_gemv(x, residual, norm_weight, w, silu_mul) -> None:
     op = "gemv"
-    if norm_weight is not None:
+    dt = x.dtype
+    if norm_weight is not None and residual is not None and x.dtype == torch.float32:
+        # the fused MLP's fp32 accumulator as x beside a residual of the model's dtype
+        _expect(op, "x", x, tuple(residual.shape), (torch.float32,), residual.device)
+        dt = residual.dtype
+        _check_add_rms_norm(residual, residual, norm_weight)
+    elif norm_weight is not None:
         _check_add_rms_norm(x, residual, norm_weight)
     _expect(op, "x", x, (None, None), FLOAT_DTYPES, x.device)
-    _expect(op, "w", w, (x.shape[1], None), (x.dtype,), x.device)
+    _expect(op, "w", w, (x.shape[1], None), (dt,), x.device)
     if silu_mul and w.shape[1] % 2:
         raise ValueError(f"{op}: w has shape {tuple(w.shape)}, expected (K, 2I) for silu_mul")
     if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
@@ -306,6 +314,80 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if not use_triton(x):
         return x @ w
     return _triton_impl().gemv_triton(x, None, None, 0.0, w, False, _check_gemv)[0]
+
+
+# ------------------------------------------------------------------------------- fused_mlp
+
+# A decoder layer's MLP (add + RMSNorm + gate/up + SiLU*mul + down) as one launch
+# (`fused_triton._mlp_kernel`) for decode-sized batches (M <= MLP_MAX_ROWS): each program
+# takes a slice of the intermediate dimension and adds its part of down's product to an fp32
+# accumulator with atomics, which the next layer's add + RMSNorm reads as its x. Why: plain
+# decoding at batch 1 on the H200 runs ~190 launches a token of ~3 us each (542 us of device
+# time a token, 2026-12-06), where the layer's weights stream in ~2 us; gate_up and down were
+# two of the five launches a layer (90 us a token between them and o). Built 2026-12-07 on the
+# CPU (interpreter); off until measured on a GPU (EAGLEKV_FUSE_MLP=1, the bench's `_fmlp`
+# modes). Read when a model is built (it keeps down by rows and the accumulators) and at
+# each forward (graphs capture it). The atomics' order varies: results are not bit-stable
+# from run to run (as cuBLAS's split-K is not), greedy tokens may differ at near ties.
+FUSE_MLP = os.environ.get("EAGLEKV_FUSE_MLP", "0") == "1"
+MLP_MAX_ROWS = 4
+MLP_MAX_WEIGHT_BYTES = 16 << 20     # gate_up + down; larger MLPs stream at the bandwidth
+
+
+def use_fused_mlp(x: torch.Tensor, w: torch.Tensor, wd: torch.Tensor | None) -> bool:
+    """The fused MLP takes this forward's MLP: on (FUSE_MLP), the model prepared for it (`wd`,
+    down by rows, not None), a decode-sized x (M <= MLP_MAX_ROWS), gate_up a fused gemv
+    matmul (`use_gemv`), the hidden size in one tile and the weights small enough."""
+    return (FUSE_MLP and wd is not None and x.dim() == 2 and 0 < x.shape[0] <= MLP_MAX_ROWS
+            and use_gemv(x, w, fused=True)
+            and x.shape[1] <= _triton_impl().MLP_MAX_HIDDEN
+            and (w.numel() + wd.numel()) * w.element_size() <= MLP_MAX_WEIGHT_BYTES)
+
+
+def _check_fused_mlp(x, residual, norm_weight, w, wd, acc, zero) -> None:
+    op = "fused_mlp"
+    _check_gemv(x, residual, norm_weight, w, True)
+    M, K = x.shape
+    I = w.shape[1] // 2
+    _expect(op, "wd", wd, (I, K), (w.dtype,), x.device)
+    _expect(op, "acc", acc, (None, K), (torch.float32,), x.device)
+    _expect(op, "zero", zero, (None, K), (torch.float32,), x.device)
+    if M > MLP_MAX_ROWS or acc.shape[0] < M:
+        raise ValueError(f"{op}: x has {M} rows; at most {min(MLP_MAX_ROWS, acc.shape[0])} "
+                         f"(MLP_MAX_ROWS, the accumulator's rows)")
+    if not (acc.is_contiguous() and zero.is_contiguous()):
+        raise ValueError(f"{op}: acc and zero must be contiguous")
+    if acc.data_ptr() == zero.data_ptr():
+        raise ValueError(f"{op}: acc and zero are the same buffer")
+
+
+def fused_mlp_torch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                    eps: float, w: torch.Tensor, wd: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: `norm_matmul(..., silu_mul=True)` (x rounded to the residual's dtype first
+    when it is the fp32 accumulator), then `act @ wd` summed in fp32 -> (fp32 (M, K), new
+    residual)."""
+    if residual is not None and x.dtype != residual.dtype:
+        x, residual = (x + residual.float()).to(residual.dtype), None     # s = round(x + r)
+    act, new_residual = _norm_matmul_ops(x, residual, norm_weight, eps, w, True)
+    return act.float() @ wd.float(), new_residual
+
+
+def fused_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+              eps: float, w: torch.Tensor, wd: torch.Tensor, acc: torch.Tensor,
+              zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """add + RMSNorm + x @ [gate | up] + SiLU*mul + @ down in one launch (`use_fused_mlp`
+    said so): x (M, K) (fp32: the previous layer's accumulator), residual (M, K), w (K, 2I)
+    column-major, wd (I, K) contiguous (down by rows); acc (>= M, K) fp32, zero on entry, gets
+    the sum; zero (any rows, K) fp32 is cleared (the next layer's accumulator) -> (acc[:M],
+    new residual). Off the Triton path: the reference's values written into acc."""
+    if not use_triton(x):
+        y, new_residual = fused_mlp_torch(x, residual, norm_weight, eps, w, wd)
+        acc[:x.shape[0]] += y
+        zero.zero_()
+        return acc[:x.shape[0]], new_residual
+    _check_fused_mlp(x, residual, norm_weight, w, wd, acc, zero)
+    return _triton_impl().mlp_triton(x, residual, norm_weight, float(eps), w, wd, acc, zero)
 
 
 # ------------------------------------------------------------------------------ gemv_merge
@@ -472,7 +554,7 @@ def _check_gemv_rope(x, residual, norm_weight, w, cos, sin, positions, k_cache, 
         raise ValueError(f"norm_matmul_rope_store: the gemv's block_n={block_n} must be even "
                          f"and divide head_dim={D}")
     _check_gemv(x, residual, norm_weight, w, False)
-    qkv = torch.empty((x.shape[0], num_heads + 2 * num_kv_heads, D), dtype=x.dtype,
+    qkv = torch.empty((x.shape[0], num_heads + 2 * num_kv_heads, D), dtype=w.dtype,
                       device=x.device)                # shapes only: the unfused op's checks
     _check_rope_store(qkv, cos, sin, positions, k_cache, v_cache, out_cache_loc, num_heads,
                       num_kv_heads, size_limit)

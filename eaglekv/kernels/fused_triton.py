@@ -179,16 +179,18 @@ _SILU_AND_MUL = CachedLaunch(_silu_and_mul_kernel)
 def _norm_rows(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, kk, km, x_s0, r_s0, K, inv,
                HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL, BY_HAND: tl.constexpr):
     """Columns kk of rows: s = round(x + r) (stored as the new residual when asked), then
-    round(s * inv * w), the matmul's input tile (BLOCK_M, BLOCK_K) in x's dtype."""
+    round(s * inv * w), the matmul's input tile (BLOCK_M, BLOCK_K) in the norm weight's dtype.
+    The sum rounds to the residual's dtype: x may be fp32 (the fused MLP's accumulator,
+    `_mlp_kernel`) beside a bf16 residual; otherwise all three share one dtype."""
     m2 = rm[:, None] & km[None, :]
     s = tl.load(x_ptr + rows[:, None] * x_s0 + kk[None, :], mask=m2, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + rows[:, None] * r_s0 + kk[None, :], mask=m2, other=0.0)
-        s = _round(s.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty, BY_HAND)
+        s = _round(s.to(tl.float32) + r.to(tl.float32), r_ptr.dtype.element_ty, BY_HAND)
         if STORE_RESIDUAL:
             tl.store(res_ptr + rows[:, None] * K + kk[None, :], s, mask=m2)
     w = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
-    return _round(s.to(tl.float32) * inv[:, None] * w[None, :], x_ptr.dtype.element_ty,
+    return _round(s.to(tl.float32) * inv[:, None] * w[None, :], nw_ptr.dtype.element_ty,
                   BY_HAND)
 
 
@@ -430,7 +432,7 @@ def _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, N_OUT, x_s0, r_s0, w_
             s = tl.load(x_ptr + rows[:, None] * x_s0 + kk[None, :], mask=m2, other=0.0)
             if HAS_RESIDUAL:
                 r = tl.load(r_ptr + rows[:, None] * r_s0 + kk[None, :], mask=m2, other=0.0)
-                s = _round(s.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty,
+                s = _round(s.to(tl.float32) + r.to(tl.float32), r_ptr.dtype.element_ty,
                            BY_HAND)
             s = s.to(tl.float32)
             sq += tl.sum(s * s, axis=1)
@@ -478,21 +480,97 @@ def gemv_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, check,
     if hit is None:
         check(x, residual, norm_weight, w, silu_mul)
     n_out = w.shape[1] // 2 if silu_mul else w.shape[1]
-    out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
+    out = torch.empty((M, n_out), dtype=w.dtype, device=x.device)
     new_res = (None if not norm else x if residual is None
-               else torch.empty((M, K), dtype=x.dtype, device=x.device))
+               else torch.empty((M, K), dtype=residual.dtype, device=x.device))
     if M:
         args = (x, r, norm_weight if norm else x, w, out,
                 new_res if new_res is not None else out, M, K, n_out, x.stride(0),
                 r.stride(0), w.stride(0), w.stride(1), eps, norm, residual is not None,
                 silu_mul, bm, bn, bk, not x.is_cuda, use_pdl, dot,
-                x.dtype == torch.float32 or not x.is_cuda)
+                w.dtype == torch.float32 or not x.is_cuda)
         _GEMV.launch(hit, key, (-(-n_out // bn), 1), args, x.get_device(),
                      num_warps=nw, num_stages=2, **pdl.launch_options(use_pdl))
     return out, new_res
 
 
 _GEMV = CachedLaunch(_gemv_kernel)
+
+
+@triton.jit
+def _mlp_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, wd_ptr, acc_ptr, res_ptr, zero_ptr, M, K, I,
+                x_s0, r_s0, w_sk, w_sn, wd_si, wd_sk, acc_s0, n_zero, eps,
+                HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, ZBLOCK: tl.constexpr, BY_HAND: tl.constexpr,
+                USE_GDC: tl.constexpr = False, IEEE: tl.constexpr = False):
+    """A decoder layer's MLP in one launch, split along the intermediate dimension. Program j
+    takes intermediate columns c = [j*BLOCK_N, (j+1)*BLOCK_N) of I:
+        s = round(x + r); h = round(s * rsqrt(mean(s^2) + eps) * nw)   (as `_gemv_kernel`)
+        a = round(silu(round(h @ Wg[:, c])) * round(h @ Wu[:, c]))      (BLOCK_M, BLOCK_N)
+        acc[m, :] += a[m, :] @ Wd[c, :]              (fp32 atomic adds: a split-K of down)
+    so acc ends as the fp32 sum of down's products, which the next layer's add + RMSNorm
+    reads as its x (rounded with the residual there). acc must be zero when the kernel
+    starts: each program zeroes a ZBLOCK slice of `zero_ptr` (the next layer's accumulator,
+    n_zero fp32) after the wait. K (the hidden size) is one tile (BLOCK_K >= K); w (K, 2I)
+    column-major ([gate | up], `_gemv_kernel`'s SILU layout), wd (I, K) by rows (row i is
+    down's input i). The sums' order varies between runs (atomics): fp32 results may differ
+    in the last bits. USE_GDC (PDL): the three weight tiles are read before the wait."""
+    j = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M).to(tl.int64)
+    cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    km = ks < K
+    wd = tl.load(wd_ptr + cols[:, None] * wd_si + ks.to(tl.int64)[None, :] * wd_sk,
+                 mask=(cols < I)[:, None] & km[None, :], other=0.0)      # (BN, BK), pre-wait
+    a = _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, I, x_s0, r_s0, w_sk, w_sn, eps,
+                   j, rows, cols, w_ptr.dtype.element_ty, True, HAS_RESIDUAL, True, BLOCK_M,
+                   BLOCK_N, BLOCK_K, BY_HAND, USE_GDC, False, IEEE).to(tl.float32)
+    z = j * ZBLOCK + tl.arange(0, ZBLOCK)
+    tl.store(zero_ptr + z, tl.zeros([ZBLOCK], tl.float32), mask=z < n_zero)
+    wf = wd.to(tl.float32)
+    for m in tl.static_range(BLOCK_M):
+        am = tl.sum(tl.where(rows[:, None] == m, a, 0.0), axis=0)                  # (BN,)
+        part = tl.sum(am[:, None] * wf, axis=0)                                    # (BK,)
+        tl.atomic_add(acc_ptr + m * acc_s0 + ks, part, mask=km & (ks * 0 + m < M),
+                      sem="relaxed")                  # (a full vector: the interpreter's masks)
+
+
+# (block_n, num_warps) of `_mlp_kernel` by rows: intermediate columns a program (I / block_n
+# programs, each adding a whole row of fp32 partials), not yet tuned on a GPU;
+# EAGLEKV_MLP_CONFIG="block_n,num_warps" overrides it for every row count (read at import)
+MLP_CONFIG = {1: (8, 4), 2: (4, 4), 4: (4, 4)}
+if os.environ.get("EAGLEKV_MLP_CONFIG"):
+    _v = tuple(int(v) for v in os.environ["EAGLEKV_MLP_CONFIG"].split(","))
+    MLP_CONFIG = {m: _v for m in MLP_CONFIG}
+MLP_MAX_HIDDEN = 2048        # the hidden size in one tile (SmolLM2's 576; an 8B's 4096 is not)
+
+
+def mlp_triton(x, residual, norm_weight, eps: float, w, wd, acc, zero):
+    """`_mlp_kernel`: x (M <= 4, K) contiguous rows (fp32 or w's dtype), residual (M, K) or
+    None, w (K, 2I) column-major, wd (I, K) rows, acc (>= M, K) fp32 zero on entry, zero a
+    contiguous fp32 buffer to clear -> (acc[:M] holding the MLP's output, new residual).
+    Arguments checked by `fused.fused_mlp`."""
+    M, K = x.shape
+    I = wd.shape[0]
+    bm = _pow2(M)
+    bn, nw = MLP_CONFIG[bm]
+    progs = -(-I // bn)
+    zb = _pow2(-(-zero.numel() // progs))
+    use_pdl = pdl.enabled(x.device)
+    r = x if residual is None else residual
+    new_res = x if residual is None else torch.empty_like(residual)
+    key = (_sig(x), residual is None, _sig(r), _sig(norm_weight), _sig(w), _sig(wd), _sig(acc),
+           _sig(zero), bn, nw, use_pdl)
+    args = (x, r, norm_weight, w, wd, acc, new_res, zero, M, K, I, x.stride(0), r.stride(0),
+            w.stride(0), w.stride(1), wd.stride(0), wd.stride(1), acc.stride(0), zero.numel(),
+            eps, residual is not None, bm, bn, max(16, _pow2(K)), zb, not x.is_cuda, use_pdl,
+            w.dtype == torch.float32 or not x.is_cuda)
+    _MLP.launch(_MLP.lookup(key), key, (progs, 1), args, x.get_device(), num_warps=nw,
+                num_stages=1, **pdl.launch_options(use_pdl))
+    return acc[:M], new_res
+
+
+_MLP = CachedLaunch(_mlp_kernel)
 
 
 @triton.jit
@@ -641,8 +719,8 @@ def gemv_rope_store_triton(x, residual, norm_weight, eps: float, w, cos, sin, po
     if hit is None:
         check(x, residual, norm_weight, w, cos, sin, positions, k_cache, v_cache, out_cache_loc,
               num_heads, num_kv_heads, size_limit, bn)
-    q = torch.empty((M, num_heads, D), dtype=x.dtype, device=x.device)
-    new_res = x if residual is None else torch.empty_like(x)
+    q = torch.empty((M, num_heads, D), dtype=w.dtype, device=x.device)
+    new_res = x if residual is None else torch.empty_like(residual)
     if M == 0:
         return q, new_res
     guard, pos_call, slot_call = _rope_guard_calls(x.device, cos, positions, out_cache_loc,
@@ -655,7 +733,7 @@ def gemv_rope_store_triton(x, residual, norm_weight, eps: float, w, cos, sin, po
             out_cache_loc.stride(0), q, k_cache, v_cache, guard.err, pos_call, slot_call,
             cos.shape[0], size_limit, num_heads, num_kv_heads, D, residual is not None,
             bm, bn, bk, not x.is_cuda, FLAGS.checks, FLAGS.device_assert, use_pdl, dot,
-            x.dtype == torch.float32 or not x.is_cuda)
+            w.dtype == torch.float32 or not x.is_cuda)
     # tl.device_assert is compiled in only with debug=True
     _GEMV_ROPE.launch(hit, key, (-(-n_out // bn), 1), args, x.get_device(), num_warps=nw,
                       num_stages=2, debug=FLAGS.device_assert, **pdl.launch_options(use_pdl))

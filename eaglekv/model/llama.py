@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from eaglekv.core import ForwardBatch
 from eaglekv.errors import ModelLoadError
 from eaglekv.kernels import fused
-from eaglekv.kernels.fused import (add_rms_norm, column_major, gemv, gemv_merge, norm_matmul,
-                                   use_gemv, use_gemv_merge)
+from eaglekv.kernels.fused import (add_rms_norm, column_major, fused_mlp, gemv, gemv_merge,
+                                   norm_matmul, use_fused_mlp, use_gemv, use_gemv_merge)
 from eaglekv.model import cpu_blas
 from eaglekv.model.config import ModelConfig
 from eaglekv.model.rope import RotaryEmbedding, to_interleaved
@@ -108,6 +108,9 @@ class DecoderLayer:
         self.qkv, self.qkv_bias, self.o = f["qkv"], f.get("qkv_bias"), f["o"]
         self.q_norm, self.k_norm = f.get("q_norm"), f.get("k_norm")
         self.gate_up, self.down = f["gate_up"], f["down"]
+        # the fused MLP's (`LlamaForCausalLM.prepare_fused_mlp`): down by rows (I, H), this
+        # layer's fp32 accumulator and the next layer's, which it clears
+        self.down_rows = self.mlp_acc = self.mlp_zero = None
 
     def forward(self, x, residual, rope, backend, meta, layer_id):
         """x: (T, H) the previous layer's output (the residual stream not yet added), `rope`
@@ -148,6 +151,9 @@ class DecoderLayer:
         down projection -> (output, residual)."""
         cfg = self.cfg
         x = gemv_merge(attn, self.o) if merge else linear(attn.reshape(T, cfg.q_size), self.o)
+        if use_fused_mlp(x, self.gate_up, self.down_rows):     # one launch; x out in fp32
+            return fused_mlp(x, residual, self.post_norm, cfg.rms_norm_eps, self.gate_up,
+                             self.down_rows, self.mlp_acc, self.mlp_zero)
         act, residual = norm_matmul(x, residual, self.post_norm, cfg.rms_norm_eps, self.gate_up,
                                     silu_mul=True, matmul=linear)
         return linear(act, self.down), residual
@@ -252,11 +258,27 @@ class LlamaForCausalLM:
             # every matmul takes the kernel (EAGLEKV_GEMV=1)
             names = ("qkv", "gate_up") + (("o", "down") if fused.gemv_on(self.device, False)
                                           else ())
+            if fused.FUSE_MLP:      # down by rows for the fused MLP (M > 4: cuBLAS either way)
+                names = tuple(n for n in names if n != "down")
+                self.prepare_fused_mlp()
             for layer in self.layers:
                 for name in names:
                     setattr(layer, name, column_major(getattr(layer, name)))
         self.rope = RotaryEmbedding(cfg.hf_config, cfg.head_dim,
                                     max_positions or cfg.max_position_embeddings, device)
+
+    def prepare_fused_mlp(self) -> None:
+        """Make every layer ready for the fused MLP (`fused.fused_mlp`, used where
+        `use_fused_mlp` says so): down kept by rows (I, H), and two fp32 accumulators of
+        MLP_MAX_ROWS rows taken in turn: layer i adds into buffer i % 2 and clears buffer
+        (i + 1) % 2 for layer i + 1 (its last reader, layer i's qkv, is done by then), and
+        each forward clears buffer 0 before layer 0. The buffers live as long as the model,
+        so every CUDA graph of it replays over the same ones, one forward at a time."""
+        self._mlp_acc = torch.zeros((2, fused.MLP_MAX_ROWS, self.cfg.hidden_size),
+                                    dtype=torch.float32, device=self.device)
+        for i, layer in enumerate(self.layers):
+            layer.down_rows = layer.down.contiguous()       # no copy unless column-major
+            layer.mlp_acc, layer.mlp_zero = self._mlp_acc[i % 2], self._mlp_acc[(i + 1) % 2]
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """(T,) ids -> (T, H)."""
@@ -285,11 +307,16 @@ class LlamaForCausalLM:
         meta = backend.begin_forward(meta)          # the reads of every layer, checked once
         rope = backend.rope_inputs(self.rope, positions)
         x = self.embed_tokens(input_ids)                                 # (T, H)
+        first = self.layers[0]
+        if first.mlp_acc is not None and use_fused_mlp(x, first.gate_up, first.down_rows):
+            self._mlp_acc[0].zero_()      # layer 0's accumulator (prepare_fused_mlp)
         residual, aux = None, []
         for i, layer in enumerate(self.layers):
             x, residual = layer.forward(x, residual, rope, backend, meta, i)
-            if i in capture_layers:
-                aux.append(residual + x)
+            if i in capture_layers:    # (the fused MLP's x is fp32: rounded once, as a layer)
+                aux.append((residual + x).to(residual.dtype))
+        if x.dtype != residual.dtype:
+            x = x.to(residual.dtype)
         h, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)  # (T, H)
         hs = h if logits_indices is None else h[logits_indices]
         logits = linear(hs, self.lm_head_t)                              # (n, V)

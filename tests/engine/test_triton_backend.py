@@ -112,6 +112,42 @@ def test_qkv_rope_in_one_kernel_equals_torch(tiny_dir, reference, monkeypatch, k
         assert ({3} if kind == "plain" else {4}) <= set(launches)
 
 
+@pytest.mark.parametrize("kind", ["plain", "chain"])
+def test_fused_mlp_equals_torch(tiny_dir, reference, monkeypatch, kind):
+    """With the MLP in one launch (`EAGLEKV_FUSE_MLP=1`: down split into an fp32 accumulator
+    the next layer reads), every decode-sized forward of the target (a decode of 3 requests;
+    a verify of one request's 4 tokens) runs it in every layer, greedy output equals the torch
+    backend's, plain and speculative, and the accumulators are left as each forward needs
+    them (buffer 0 is cleared at its start, the other by the layer before)."""
+    from eaglekv.kernels import fused, fused_triton
+    monkeypatch.setattr(fused, "FUSE_GEMV", True)            # the CPU interpreter too
+    monkeypatch.setattr(fused, "FUSE_MLP", True)
+    launches = []
+    real = fused_triton.mlp_triton
+    monkeypatch.setattr(fused_triton, "mlp_triton",
+                        lambda x, *a: launches.append(x.shape[0]) or real(x, *a))
+    opts = dict(device=DEV, max_running_requests=4 if kind == "plain" else 1,
+                attention_backend="triton")
+    if kind == "chain":
+        opts["speculative"] = spec("eagle", 3, 1, 4)
+    engine = tiny_engine(tiny_dir, **opts)
+    model = engine.model
+    if not ON_GPU:                          # what a CUDA build with EAGLEKV_FUSE_MLP=1 makes
+        for layer in model.layers:
+            layer.qkv, layer.gate_up = map(fused.column_major, (layer.qkv, layer.gate_up))
+        model.prepare_fused_mlp()
+    assert model.layers[1].mlp_acc.data_ptr() == model.layers[0].mlp_zero.data_ptr()
+    n = len(PROMPTS) if kind == "plain" else 1            # the chain: one request, verifies of 4
+    outs = [o.token_ids for o in engine.generate(PROMPTS[:n], SP)]
+    assert outs == reference[:n]
+    engine.check_memory()
+    assert engine.allocator.is_full()
+    assert launches and max(launches) <= fused.MLP_MAX_ROWS
+    if not ON_GPU:       # eager steps: each forward of <= 4 tokens took it in every layer
+        assert ({3} if kind == "plain" else {4}) <= set(launches)
+        assert len(launches) % len(model.layers) == 0
+
+
 def test_layer_checks_read_req_to_token_in_every_layer(tiny_dir, reference, monkeypatch):
     """Inside `layer_checks()` (measurement: the way before the once-a-forward check) every
     target layer checks req_to_token itself; the same tokens."""

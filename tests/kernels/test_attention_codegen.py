@@ -145,6 +145,16 @@ for M in (1, 4):       # the qkv gemv with the rope epilogue (fused.FUSE_GEMV_RO
     out[f"gemv_rope_gdc_{M}"] = gdc(ptx_of(ft._gemv_rope_kernel, dict(
         gemv_ptrs, cos_ptr="*fp32", sin_ptr="*fp32", q_ptr="*bf16", kc_ptr="*bf16",
         vc_ptr="*bf16"), cx, num_stages=2, launch_pdl=True)[0])
+for M in (1, 4):       # the MLP in one launch (fused.FUSE_MLP): x the fp32 accumulator
+    cx = dict(HAS_RESIDUAL=True, BLOCK_M=M, BLOCK_N=8 if M == 1 else 4, BLOCK_K=1024,
+              ZBLOCK=16, BY_HAND=False, USE_GDC=True)
+    ptx = ptx_of(ft._mlp_kernel, dict(gemv_ptrs, x_ptr="*fp32", wd_ptr="*bf16",
+                                      acc_ptr="*fp32", zero_ptr="*fp32"), cx, num_stages=1,
+                 launch_pdl=True)[0]
+    wait = ptx.find("griddepcontrol.wait")
+    out[f"mlp_gdc_{M}"] = gdc(ptx)
+    out[f"mlp_loads_before_wait_{M}"] = ptx[:wait].count("ld.global")
+    out[f"mlp_adds_{M}"] = ("red.global" in ptx or "atom.global" in ptx) and ".f32" in ptx
 out["decode_gdc"] = gdc(ptx_of(at._decode_kernel, PTRS, dict(DEC, CHECK=0, USE_GDC=True),
                                num_stages=3)[0])
 out["decode_prefetch_gdc"] = gdc(ptx_of(at._decode_kernel, PTRS,
@@ -258,3 +268,17 @@ def test_decode_prefetch_loads_before_its_wait(async_copies):
     come before `griddepcontrol.wait`; it still waits and lets the next kernel launch."""
     assert async_copies["decode_prefetch_gdc"] == {"wait": True, "trigger": True,
                                                    "load_before_wait": True}
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_fused_mlp_prefetches_its_weights_and_adds_atomically(async_copies, rows):
+    """The MLP in one launch (`fused_triton._mlp_kernel`) compiles for sm_90: under PDL its
+    three weight tiles (gate, up, down's rows) are loaded before `griddepcontrol.wait` (each
+    thread's share of 3 x BLOCK_N x 1024 bf16: scalar b16 loads offline, where the launch's
+    16-byte alignment is not specialised),
+    it waits and lets the next kernel launch, and down's partials are fp32 atomic adds."""
+    assert async_copies[f"mlp_gdc_{rows}"] == {"wait": True, "trigger": True,
+                                               "load_before_wait": True}
+    bn = 8 if rows == 1 else 4
+    assert async_copies[f"mlp_loads_before_wait_{rows}"] >= 3 * bn * 1024 // 128
+    assert async_copies[f"mlp_adds_{rows}"]
