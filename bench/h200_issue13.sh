@@ -185,7 +185,8 @@ PY
     tail -4 "$OUT/omerge/bench.log"
     timeout "${TESTS_TIMEOUT:-100}" python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/engine/test_cuda_graph.py tests/engine/test_triton_backend.py \
-      tests/kernels/test_attention_triton.py -k "chain_graph or chain-graph or merge_in_the_o or prefetch" \
+      tests/kernels/test_attention_triton.py tests/kernels/test_fused_mlp.py \
+      -k "${TESTS_K:-chain_graph or chain-graph or merge_in_the_o or prefetch or fused_mlp or next_layer or accumulates}" \
       > "$OUT/gpu_tests_rnd.log" 2>&1
     tail -2 "$OUT/gpu_tests_rnd.log"
     [ -n "${SKIP_8B:-}" ] || EAGLEKV_BENCH_8B_VARIANTS=${VARIANTS_8B:-bare_cublas,all_cublas,bare_cublas_block_k2048_grope} \
