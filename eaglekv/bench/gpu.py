@@ -251,6 +251,11 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
               # batch 1 (`_fmlp4`, `_fmlp16`; 8 by default)
               "plain_fmlp": None, "plain_fmlp4": None, "plain_fmlp16": None,
               "plain_k64_fmlp": None, "plain_k64_bk2k_fmlp": None,
+              # the decode's merge and the o projection in one launch (`_mo`: fused.MERGE_O,
+              # off until measured), alone and with the fused MLP (4 launches a layer)
+              "plain_mo": None, "plain_fmlp_mo": None, "plain_fmlp4_mo": None,
+              "plain_k64_bk2k_fmlp_mo": None, "adaptive_eagle3_fmlp_mo": MODES["adaptive_eagle3"],
+              "eagle3_chain_S3K1N4_fmlp_mo": MODES["eagle3_chain_S3K1N4"],
               "eagle3_chain_S3K1N4_fmlp": MODES["eagle3_chain_S3K1N4"],
               "adaptive_eagle3_fmlp": MODES["adaptive_eagle3"],
               "adaptive_eagle3_dpf": MODES["adaptive_eagle3"],
@@ -269,13 +274,14 @@ MODES.update({f"{m}_{v}": MODES[m] for m in ("adaptive", "adaptive_eagle3",
 VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8", "_xs1",
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
             "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
-            "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg", "_dpf", "_bk2k",
-            "_fmlp", "_fmlp4", "_fmlp16")
+            "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg", "_dpf",
+            "_bk2k", "_fmlp", "_fmlp4", "_fmlp16", "_mo")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
                    "cg": ("eaglekv.cuda_graph", "CHAIN_GRAPH_MAX_BATCH", 4),
                    "dpf": ("eaglekv.kernels.attention_triton", "DECODE_PREFETCH", True),
+                   "mo": ("eaglekv.kernels.fused", "MERGE_O", True),
                    "fmerge": ("eaglekv.kernels.attention_triton", "FUSED_DECODE_MERGE", True),
                    "pdl": ("eaglekv.kernels.pdl", "PDL", True),
                    "nopdl": ("eaglekv.kernels.pdl", "PDL", False),
@@ -1438,6 +1444,7 @@ def chained_vs_1step(result: dict) -> None:
                               ("decode_prefetch_vs_none", "_dpf", True),
                               ("gemv_k_tile_2048_vs_1024", "_bk2k", True),
                               ("mlp_one_launch_vs_two", "_fmlp", True),
+                              ("merge_and_o_one_launch_vs_two", "_mo", True),
                               ("greedy_pick_split_vs_one_program", "_gp1", False)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}

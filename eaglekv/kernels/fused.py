@@ -390,6 +390,64 @@ def fused_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     return _triton_impl().mlp_triton(x, residual, norm_weight, float(eps), w, wd, acc, zero)
 
 
+# --------------------------------------------------------------------------------- merge_o
+
+# The decode attention's split-K merge and the o projection in one launch
+# (`fused_triton._merge_o_kernel`) for decode forwards of at most MLP_MAX_ROWS rows: one
+# program a (row, head, block of 64 output columns) merges its head's partials (a few KB from
+# L2), multiplies by that head's rows of o and adds into an fp32 accumulator by atomics: the
+# merge launch and the o launch (1.3 + 3.1 us a layer at batch 1 on the H200, 2026-12-06)
+# become one. Unlike `gemv_merge` (each of o's ~144 programs merged every head: 0.81x on the
+# H200), each head is merged by the 9 programs that use it. Built 2026-12-07 on the CPU
+# (interpreter); off until measured (EAGLEKV_MERGE_O=1, the bench's `_mo` modes). Read when
+# a model is built (the accumulators) and at each forward (graphs capture it).
+MERGE_O = os.environ.get("EAGLEKV_MERGE_O", "0") == "1"
+
+
+def use_merge_o(x: torch.Tensor, w: torch.Tensor, num_heads: int, acc) -> bool:
+    """A decode forward of x (T <= MLP_MAX_ROWS rows) hands its attention (partials or not)
+    to `merge_o`: on (MERGE_O), the model prepared (`acc` not None), w (K = num_heads *
+    head_dim, N) a bare gemv matmul (`use_gemv`) with a head_dim of at most 256."""
+    return (MERGE_O and acc is not None and x.dim() == 2 and 0 < x.shape[0] <= MLP_MAX_ROWS
+            and w.shape[0] % num_heads == 0 and w.shape[0] // num_heads <= 256
+            and use_gemv(x.new_empty((x.shape[0], w.shape[0])), w))
+
+
+def merge_o_torch(attn: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Reference: attn (T, H, D) in w's dtype, flattened, @ w summed in fp32 -> (T, N) fp32."""
+    return attn.reshape(attn.shape[0], -1).to(w.dtype).float() @ w.float()
+
+
+def merge_o(attn, w: torch.Tensor, acc: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """attn: the decode attention's output (T, H, D), or its partials
+    (`attention.DecodePartials`) -> acc[:T] += attn (T, H * D) @ w (fp32; acc zero on entry
+    gives the o projection), and `zero` (the next layer's accumulator) cleared, in one launch
+    on the Triton path (see MERGE_O); off it the merged attention through the reference."""
+    partials = not isinstance(attn, torch.Tensor)
+    T, H = (attn.mid_o.shape[:2] if partials else attn.shape[:2])
+    D = attn.head_dim if partials else attn.shape[2]
+    op = "merge_o"
+    if H * D != w.shape[0]:
+        raise ValueError(f"{op}: attention of {H} heads x {D} does not match w "
+                         f"{tuple(w.shape)}")
+    _expect(op, "acc", acc, (None, w.shape[1]), (torch.float32,), w.device)
+    _expect(op, "zero", zero, (None, w.shape[1]), (torch.float32,), w.device)
+    if acc.shape[0] < T or not (acc.is_contiguous() and zero.is_contiguous()):
+        raise ValueError(f"{op}: acc of {acc.shape[0]} rows for {T} (contiguous, as zero)")
+    if acc.data_ptr() == zero.data_ptr():
+        raise ValueError(f"{op}: acc and zero are the same buffer")
+    if not use_triton(w):
+        out = attn.finish() if partials else attn
+        acc[:T] += merge_o_torch(out, w)
+        zero.zero_()
+        return acc[:T]
+    if partials:
+        return _triton_impl().merge_o_triton(attn.mid_o, attn.mid_lse, D, w, acc, zero)
+    if attn.stride(-1) != 1 and D > 1:
+        attn = attn.contiguous()
+    return _triton_impl().merge_o_triton(attn, None, D, w, acc, zero)
+
+
 # ------------------------------------------------------------------------------ gemv_merge
 
 # The split-K decode attention's merge inside the o projection (`fused_triton.

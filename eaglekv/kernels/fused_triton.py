@@ -574,6 +574,86 @@ _MLP = CachedLaunch(_mlp_kernel)
 
 
 @triton.jit
+def _merge_o_kernel(mid_o_ptr, mid_lse_ptr, w_ptr, acc_ptr, zero_ptr, w_sk, w_sn, a_s0, a_s1,
+                    a_s2, acc_s0, N_OUT, n_zero, H: tl.constexpr, D: tl.constexpr,
+                    DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
+                    MERGED: tl.constexpr, NC: tl.constexpr, BLOCK_N: tl.constexpr,
+                    ZBLOCK: tl.constexpr, USE_GDC: tl.constexpr = False):
+    """The decode attention's split-K merge and the o projection in one launch, the product
+    split by heads. Program (b, h, c): head h of decode row b merged from its partials
+    (MERGED: mid_o (B, H, SPLITS, DP), mid_lse (B, H, SPLITS), as `_merge_row` does; else
+    read as it is from the attention output at mid_o with strides a_s*), cast to W's dtype
+    as the merge stores it, times rows [h*D, (h+1)*D) of W (K = H * D, N) for output columns
+    [c*BLOCK_N, (c+1)*BLOCK_N), added to acc[b] (fp32, zero on entry) by atomics (program
+    ids (b * H + h, c)). Each program zeroes a ZBLOCK slice of `zero_ptr` (the next layer's
+    accumulator, n_zero fp32) after the wait. USE_GDC (PDL): the weight block is read before
+    the wait."""
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    c = tl.program_id(1)
+    cols = (c * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cm = cols < N_OUT
+    d = tl.arange(0, DP)
+    dm = d < D
+    w = tl.load(w_ptr + cols[:, None] * w_sn + (h * D + d)[None, :] * w_sk,
+                mask=cm[:, None] & dm[None, :], other=0.0)                 # (BN, DP) pre-wait
+    if USE_GDC:
+        gdc_wait()
+    z = ((b * H + h) * NC + c) * ZBLOCK + tl.arange(0, ZBLOCK)
+    tl.store(zero_ptr + z, tl.zeros([ZBLOCK], tl.float32), mask=z < n_zero)
+    if MERGED:
+        s = tl.arange(0, SP)
+        row = (b * H + h) * SPLITS + s
+        lse = tl.load(mid_lse_ptr + row, mask=s < SPLITS, other=float("-inf"))
+        o = tl.load(mid_o_ptr + row[:, None] * DP + d[None, :], mask=(s < SPLITS)[:, None],
+                    other=0.0)                                               # (SP, DP)
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        wt = tl.exp2(lse - m)                                                # 0 if empty
+        den = tl.sum(wt, 0)
+        x = tl.sum(wt[:, None] * o, 0) / tl.where(den > 0, den, 1.0)
+    else:
+        x = tl.load(mid_o_ptr + b * a_s0 + h * a_s1 + d * a_s2, mask=dm, other=0.0)
+    x = x.to(w_ptr.dtype.element_ty).to(tl.float32)                         # (DP,)
+    if USE_GDC:
+        gdc_launch_dependents()
+    part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)                    # (BN,)
+    tl.atomic_add(acc_ptr + b * acc_s0 + cols, part, mask=cm, sem="relaxed")
+
+
+MERGE_O_BLOCK_N = 64         # output columns a program: SmolLM2's 9 heads x 9 blocks of 64
+
+
+def merge_o_triton(attn, mid_lse, head_dim: int, w, acc, zero):
+    """`_merge_o_kernel`: attn the partials mid_o (B, H, S, DP) with mid_lse (B, H, S), or the
+    attention output (B, H, D) (mid_lse None); w (H * head_dim, N) column-major, acc (>= B, N)
+    fp32 zero on entry, zero a contiguous fp32 buffer to clear -> acc[:B] holding the o
+    projection (a grid of (B * H, N / MERGE_O_BLOCK_N)). Arguments checked by
+    `fused.merge_o`."""
+    merged = mid_lse is not None
+    B, H = attn.shape[:2]
+    S, DP = (attn.shape[2], attn.shape[3]) if merged else (1, _pow2(head_dim))
+    N = w.shape[1]
+    bn = MERGE_O_BLOCK_N
+    nc = -(-N // bn)
+    zb = _pow2(-(-zero.numel() // (B * H * nc)))
+    use_pdl = pdl.enabled(w.device)
+    st = (0, 0, 0) if merged else attn.stride()
+    args = (attn, mid_lse if merged else attn, w, acc, zero, w.stride(0), w.stride(1), *st,
+            acc.stride(0), N, zero.numel(), H, head_dim, DP, S, _pow2(S), merged, nc, bn, zb,
+            use_pdl)
+    key = (_sig(attn), merged and _sig(mid_lse), head_dim, _sig(w), _sig(acc), _sig(zero),
+           bn, use_pdl)
+    _MERGE_O.launch(_MERGE_O.lookup(key), key, (B * H, nc), args, w.get_device(),
+                    num_warps=4, **pdl.launch_options(use_pdl))
+    return acc[:B]
+
+
+_MERGE_O = CachedLaunch(_merge_o_kernel)
+
+
+@triton.jit
 def _gemv_merge_kernel(mid_o_ptr, mid_lse_ptr, w_ptr, out_ptr, K, N_OUT, w_sk, w_sn,
                        H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
                        SPLITS: tl.constexpr, SP: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -16,7 +16,8 @@ from eaglekv.core import ForwardBatch
 from eaglekv.errors import ModelLoadError
 from eaglekv.kernels import fused
 from eaglekv.kernels.fused import (add_rms_norm, column_major, fused_mlp, gemv, gemv_merge,
-                                   norm_matmul, use_fused_mlp, use_gemv, use_gemv_merge)
+                                   merge_o, norm_matmul, use_fused_mlp, use_gemv,
+                                   use_gemv_merge, use_merge_o)
 from eaglekv.model import cpu_blas
 from eaglekv.model.config import ModelConfig
 from eaglekv.model.rope import RotaryEmbedding, to_interleaved
@@ -108,9 +109,9 @@ class DecoderLayer:
         self.qkv, self.qkv_bias, self.o = f["qkv"], f.get("qkv_bias"), f["o"]
         self.q_norm, self.k_norm = f.get("q_norm"), f.get("k_norm")
         self.gate_up, self.down = f["gate_up"], f["down"]
-        # the fused MLP's (`LlamaForCausalLM.prepare_fused_mlp`): down by rows (I, H), this
-        # layer's fp32 accumulator and the next layer's, which it clears
-        self.down_rows = self.mlp_acc = self.mlp_zero = None
+        # the fused MLP's and merge + o's (`LlamaForCausalLM.prepare_accumulators`): down by
+        # rows (I, H), this layer's fp32 accumulators and the next layer's, which it clears
+        self.down_rows = self.mlp_acc = self.mlp_zero = self.o_acc = self.o_zero = None
 
     def forward(self, x, residual, rope, backend, meta, layer_id):
         """x: (T, H) the previous layer's output (the residual stream not yet added), `rope`
@@ -120,11 +121,15 @@ class DecoderLayer:
         if self.input_norm is not None and self.qkv_bias is None and self.q_norm is None:
             # add + RMSNorm + QKV matmul: one kernel on a decode-sized batch (fused.py), RoPE
             # and the K/V store after it (on the Triton backend optionally in its epilogue)
-            merge = use_gemv_merge(x, self.o, H)  # the attention's merge in the o projection
+            # the attention's merge with the o projection in one launch (merge_o), or inside
+            # its gemv (gemv_merge)
+            mo = use_merge_o(x, self.o, H, self.o_acc)
+            merge = not mo and use_gemv_merge(x, self.o, H)
             attn, residual = backend.forward_norm_qkv(
                 x, residual, self.input_norm, cfg.rms_norm_eps, self.qkv, rope, layer_id, meta,
-                D ** -0.5, H, Hkv, matmul=linear, **({"defer_merge": True} if merge else {}))
-            return self._mlp(attn, residual, T, merge)
+                D ** -0.5, H, Hkv, matmul=linear,
+                **({"defer_merge": True} if merge or mo else {}))
+            return self._mlp(attn, residual, T, merge, mo)
         if self.input_norm is not None and self.qkv_bias is None:
             qkv, residual = norm_matmul(x, residual, self.input_norm, cfg.rms_norm_eps,
                                         self.qkv, matmul=linear)
@@ -145,12 +150,18 @@ class DecoderLayer:
         attn = backend.forward_qkv(qkv, rope, layer_id, meta, D ** -0.5, H, Hkv)
         return self._mlp(attn, residual, T)
 
-    def _mlp(self, attn, residual, T: int, merge: bool = False):
-        """The o projection (`merge`: by `gemv_merge`, attn maybe still split-K partials), then
-        add + RMSNorm + gate/up matmul + SiLU*mul (one kernel on a decode-sized batch) and the
-        down projection -> (output, residual)."""
+    def _mlp(self, attn, residual, T: int, merge: bool = False, mo: bool = False):
+        """The o projection (`merge`: by `gemv_merge`, `mo`: by `merge_o` into the fp32
+        accumulator; attn maybe still split-K partials), then add + RMSNorm + gate/up matmul
+        + SiLU*mul (one kernel on a decode-sized batch) and the down projection, or all of
+        that in one launch (`fused_mlp`) -> (output, residual)."""
         cfg = self.cfg
-        x = gemv_merge(attn, self.o) if merge else linear(attn.reshape(T, cfg.q_size), self.o)
+        if mo:
+            x = merge_o(attn, self.o, self.o_acc, self.o_zero)
+        elif merge:
+            x = gemv_merge(attn, self.o)
+        else:
+            x = linear(attn.reshape(T, cfg.q_size), self.o)
         if use_fused_mlp(x, self.gate_up, self.down_rows):     # one launch; x out in fp32
             return fused_mlp(x, residual, self.post_norm, cfg.rms_norm_eps, self.gate_up,
                              self.down_rows, self.mlp_acc, self.mlp_zero)
@@ -245,6 +256,7 @@ class LlamaForCausalLM:
 
     def _build(self, cfg, w, dtype, device, max_positions):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self._acc = None                 # prepare_accumulators
         self.lm_head_t, self.embed, self.norm = w["lm_head_t"], w.get("embed"), w["norm"]
         self.layers = []
         for i in range(cfg.num_layers):
@@ -260,25 +272,30 @@ class LlamaForCausalLM:
                                           else ())
             if fused.FUSE_MLP:      # down by rows for the fused MLP (M > 4: cuBLAS either way)
                 names = tuple(n for n in names if n != "down")
-                self.prepare_fused_mlp()
+            if fused.FUSE_MLP or fused.MERGE_O:
+                self.prepare_accumulators()
             for layer in self.layers:
                 for name in names:
                     setattr(layer, name, column_major(getattr(layer, name)))
         self.rope = RotaryEmbedding(cfg.hf_config, cfg.head_dim,
                                     max_positions or cfg.max_position_embeddings, device)
 
-    def prepare_fused_mlp(self) -> None:
-        """Make every layer ready for the fused MLP (`fused.fused_mlp`, used where
-        `use_fused_mlp` says so): down kept by rows (I, H), and two fp32 accumulators of
-        MLP_MAX_ROWS rows taken in turn: layer i adds into buffer i % 2 and clears buffer
-        (i + 1) % 2 for layer i + 1 (its last reader, layer i's qkv, is done by then), and
-        each forward clears buffer 0 before layer 0. The buffers live as long as the model,
-        so every CUDA graph of it replays over the same ones, one forward at a time."""
-        self._mlp_acc = torch.zeros((2, fused.MLP_MAX_ROWS, self.cfg.hidden_size),
-                                    dtype=torch.float32, device=self.device)
+    def prepare_accumulators(self) -> None:
+        """Make every layer ready for the fused MLP (`fused.fused_mlp`) and the merge + o
+        projection in one launch (`fused.merge_o`), each used where its `use_*` says so: down
+        kept by rows (I, H), and fp32 accumulators of MLP_MAX_ROWS rows, two of each kind
+        taken in turn: layer i adds into its kind's buffer i % 2 and clears buffer (i + 1) % 2
+        for layer i + 1 (its last reader, layer i - 1's, is done by then), and each forward
+        of at most MLP_MAX_ROWS tokens clears both buffers 0 before layer 0. The buffers live
+        as long as the model, so every CUDA graph of it replays over the same ones, one
+        forward at a time."""
+        self._acc = torch.zeros((2, 2, fused.MLP_MAX_ROWS, self.cfg.hidden_size),
+                                dtype=torch.float32, device=self.device)
         for i, layer in enumerate(self.layers):
             layer.down_rows = layer.down.contiguous()       # no copy unless column-major
-            layer.mlp_acc, layer.mlp_zero = self._mlp_acc[i % 2], self._mlp_acc[(i + 1) % 2]
+            now, nxt = self._acc[i % 2], self._acc[(i + 1) % 2]
+            layer.mlp_acc, layer.mlp_zero = now[0], nxt[0]
+            layer.o_acc, layer.o_zero = now[1], nxt[1]
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """(T,) ids -> (T, H)."""
@@ -307,9 +324,9 @@ class LlamaForCausalLM:
         meta = backend.begin_forward(meta)          # the reads of every layer, checked once
         rope = backend.rope_inputs(self.rope, positions)
         x = self.embed_tokens(input_ids)                                 # (T, H)
-        first = self.layers[0]
-        if first.mlp_acc is not None and use_fused_mlp(x, first.gate_up, first.down_rows):
-            self._mlp_acc[0].zero_()      # layer 0's accumulator (prepare_fused_mlp)
+        if (self._acc is not None and (fused.FUSE_MLP or fused.MERGE_O)
+                and 0 < x.shape[0] <= fused.MLP_MAX_ROWS):
+            self._acc[0].zero_()      # layer 0's accumulators (prepare_accumulators)
         residual, aux = None, []
         for i, layer in enumerate(self.layers):
             x, residual = layer.forward(x, residual, rope, backend, meta, i)

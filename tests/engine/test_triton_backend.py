@@ -112,40 +112,53 @@ def test_qkv_rope_in_one_kernel_equals_torch(tiny_dir, reference, monkeypatch, k
         assert ({3} if kind == "plain" else {4}) <= set(launches)
 
 
-@pytest.mark.parametrize("kind", ["plain", "chain"])
-def test_fused_mlp_equals_torch(tiny_dir, reference, monkeypatch, kind):
+@pytest.mark.parametrize("kind,what", [("plain", "mlp"), ("chain", "mlp"), ("plain", "mo"),
+                                       ("plain", "mlp+mo"), ("chain", "mlp+mo")])
+def test_fused_mlp_and_merge_o_equal_torch(tiny_dir, reference, monkeypatch, kind, what):
     """With the MLP in one launch (`EAGLEKV_FUSE_MLP=1`: down split into an fp32 accumulator
-    the next layer reads), every decode-sized forward of the target (a decode of 3 requests;
-    a verify of one request's 4 tokens) runs it in every layer, greedy output equals the torch
-    backend's, plain and speculative, and the accumulators are left as each forward needs
-    them (buffer 0 is cleared at its start, the other by the layer before)."""
+    the next layer reads) and / or the decode's merge with the o projection in one launch
+    (`EAGLEKV_MERGE_O=1`: split-K partials of a decode, else the attention's output), every
+    forward of at most 4 tokens of the target (a decode of 3 requests; a verify of one
+    request's 4 tokens) runs them in every layer, greedy output equals the torch backend's,
+    plain and speculative, and the accumulators are left as each forward needs them (buffers
+    0 cleared at its start, the others by the layer before)."""
     from eaglekv.kernels import fused, fused_triton
     monkeypatch.setattr(fused, "FUSE_GEMV", True)            # the CPU interpreter too
-    monkeypatch.setattr(fused, "FUSE_MLP", True)
-    launches = []
-    real = fused_triton.mlp_triton
-    monkeypatch.setattr(fused_triton, "mlp_triton",
-                        lambda x, *a: launches.append(x.shape[0]) or real(x, *a))
+    monkeypatch.setattr(fused, "FUSE_MLP", "mlp" in what)
+    monkeypatch.setattr(fused, "MERGE_O", "mo" in what)
+    launches = {"mlp": [], "mo": []}
+    for name, fn in (("mlp", "mlp_triton"), ("mo", "merge_o_triton")):
+        real = getattr(fused_triton, fn)
+        monkeypatch.setattr(fused_triton, fn, lambda x, *a, _n=name, _r=real:
+                            launches[_n].append(x.shape[0]) or _r(x, *a))
     opts = dict(device=DEV, max_running_requests=4 if kind == "plain" else 1,
                 attention_backend="triton")
     if kind == "chain":
         opts["speculative"] = spec("eagle", 3, 1, 4)
     engine = tiny_engine(tiny_dir, **opts)
+    engine.backend.fixed_decode_splits = True      # split-K on the CPU too (CUDA's default)
     model = engine.model
-    if not ON_GPU:                          # what a CUDA build with EAGLEKV_FUSE_MLP=1 makes
+    if not ON_GPU:                          # what a CUDA build with the flags makes
         for layer in model.layers:
-            layer.qkv, layer.gate_up = map(fused.column_major, (layer.qkv, layer.gate_up))
-        model.prepare_fused_mlp()
+            layer.qkv, layer.gate_up, layer.o = map(fused.column_major,
+                                                    (layer.qkv, layer.gate_up, layer.o))
+        model.prepare_accumulators()
     assert model.layers[1].mlp_acc.data_ptr() == model.layers[0].mlp_zero.data_ptr()
+    assert model.layers[1].o_acc.data_ptr() == model.layers[0].o_zero.data_ptr()
     n = len(PROMPTS) if kind == "plain" else 1            # the chain: one request, verifies of 4
     outs = [o.token_ids for o in engine.generate(PROMPTS[:n], SP)]
     assert outs == reference[:n]
     engine.check_memory()
     assert engine.allocator.is_full()
-    assert launches and max(launches) <= fused.MLP_MAX_ROWS
-    if not ON_GPU:       # eager steps: each forward of <= 4 tokens took it in every layer
-        assert ({3} if kind == "plain" else {4}) <= set(launches)
-        assert len(launches) % len(model.layers) == 0
+    for name in ("mlp", "mo"):
+        seen = launches[name]
+        assert bool(seen) == (name in what)
+        if seen and not ON_GPU:    # eager steps: each forward took it in every layer
+            assert max(seen) <= fused.MLP_MAX_ROWS and len(seen) % len(model.layers) == 0
+    if "mlp" in what and not ON_GPU:
+        assert ({3} if kind == "plain" else {4}) <= set(launches["mlp"])
+    if "mo" in what and not ON_GPU:
+        assert ({3} if kind == "plain" else {4}) <= set(launches["mo"])
 
 
 def test_layer_checks_read_req_to_token_in_every_layer(tiny_dir, reference, monkeypatch):

@@ -155,6 +155,15 @@ for M in (1, 4):       # the MLP in one launch (fused.FUSE_MLP): x the fp32 accu
     out[f"mlp_gdc_{M}"] = gdc(ptx)
     out[f"mlp_loads_before_wait_{M}"] = ptx[:wait].count("ld.global")
     out[f"mlp_adds_{M}"] = ("red.global" in ptx or "atom.global" in ptx) and ".f32" in ptx
+for merged in (True, False):     # the merge and the o projection in one launch (MERGE_O)
+    cx = dict(H=9, D=64, DP=64, SPLITS=16, SP=16, MERGED=merged, NC=9, BLOCK_N=64, ZBLOCK=32,
+              USE_GDC=True)
+    ptx = ptx_of(ft._merge_o_kernel, dict(PTRS, w_ptr="*bf16", acc_ptr="*fp32",
+                                          zero_ptr="*fp32",
+                                          mid_o_ptr="*fp32" if merged else "*bf16"),
+                 cx, launch_pdl=True)[0]
+    out[f"merge_o_gdc_{int(merged)}"] = gdc(ptx)
+    out[f"merge_o_adds_{int(merged)}"] = ("red.global" in ptx or "atom.global" in ptx)
 out["decode_gdc"] = gdc(ptx_of(at._decode_kernel, PTRS, dict(DEC, CHECK=0, USE_GDC=True),
                                num_stages=3)[0])
 out["decode_prefetch_gdc"] = gdc(ptx_of(at._decode_kernel, PTRS,
@@ -282,3 +291,14 @@ def test_the_fused_mlp_prefetches_its_weights_and_adds_atomically(async_copies, 
     bn = 8 if rows == 1 else 4
     assert async_copies[f"mlp_loads_before_wait_{rows}"] >= 3 * bn * 1024 // 128
     assert async_copies[f"mlp_adds_{rows}"]
+
+
+@pytest.mark.parametrize("merged", [1, 0])
+def test_merge_and_o_projection_prefetch_o_and_add_atomically(async_copies, merged):
+    """The decode's merge with the o projection in one launch (`fused_triton._merge_o_kernel`,
+    from split-K partials or from an attention output) compiles for sm_90: its head's block
+    of o is read before `griddepcontrol.wait`, it waits and lets the next kernel launch, and
+    the products are atomic adds."""
+    assert async_copies[f"merge_o_gdc_{merged}"] == {"wait": True, "trigger": True,
+                                                     "load_before_wait": True}
+    assert async_copies[f"merge_o_adds_{merged}"]

@@ -246,6 +246,40 @@ def test_decode_merge_in_the_o_projection(shape, dtype, kv_len, splits):
     assert not fused.merge_fits(8, 96) and not fused.merge_fits(32, 128)
 
 
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 2, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,kv_lens,splits", [(1, [70], 3), (3, [2, 40, 0], 16), (2, [9, 30], 1)])
+def test_merge_and_o_projection_in_one_launch(shape, dtype, B, kv_lens, splits):
+    """`fused.merge_o`: the split-K partials (or, unsplit, the attention output) merged per
+    head and times that head's rows of o, summed into an fp32 accumulator: the merged
+    attention in w's dtype times w within fp32 summation order, rows past B untouched, the
+    next layer's buffer cleared; with splits past the keys and a row with no keys."""
+    from eaglekv.kernels import fused
+    H, hkv, D = shape
+    g = torch.Generator().manual_seed(sum(kv_lens) + splits + D + B)
+    table, start, rows = paged_table(kv_lens, 4, g)
+    kb, vb = kv_buffers(rows, hkv, D, dtype, g)
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    N = 80
+    w = fused.column_major(torch.randn(H * D, N, generator=g).to(dtype)).to(DEV)
+    args = (*to_dev(q, kb, vb, table, start, torch.tensor(kv_lens)), D ** -0.5)
+    plain = decode_attention(*args, size_limit=rows, num_splits=splits)
+    attn = decode_attention(*args, size_limit=rows, num_splits=splits, defer_merge=True)
+    acc = torch.zeros((4, N), dtype=torch.float32, device=DEV)
+    zero = torch.full((4, N), 3.0, dtype=torch.float32, device=DEV)
+    got = fused.merge_o(attn, w, acc, zero)
+    assert got.shape == (B, N) and got.data_ptr() == acc.data_ptr()
+    want = fused.merge_o_torch(plain, w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max()))
+    assert not acc[B:].any() and not zero.any()
+    if 0 in kv_lens:
+        assert not got[kv_lens.index(0)].any()
+    with pytest.raises(ValueError, match="same buffer"):
+        fused.merge_o(plain, w, acc, acc)
+    with pytest.raises(ValueError, match="does not match w"):
+        fused.merge_o(plain, w[:-1], acc, zero)
+
+
 class _LaunchSpy:
     """Stands in for a Triton kernel: records each launch's constexpr `name`, then launches."""
 
