@@ -402,14 +402,17 @@ def fused_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
 # (interpreter); off until measured (EAGLEKV_MERGE_O=1, the bench's `_mo` modes). Read when
 # a model is built (the accumulators) and at each forward (graphs capture it).
 MERGE_O = os.environ.get("EAGLEKV_MERGE_O", "0") == "1"
+MERGE_O_MAX_WEIGHT_BYTES = 8 << 20   # o of SmolLM2 is 0.66 MB; an 8B's 32 MB streams as it is
 
 
 def use_merge_o(x: torch.Tensor, w: torch.Tensor, num_heads: int, acc) -> bool:
     """A decode forward of x (T <= MLP_MAX_ROWS rows) hands its attention (partials or not)
     to `merge_o`: on (MERGE_O), the model prepared (`acc` not None), w (K = num_heads *
-    head_dim, N) a bare gemv matmul (`use_gemv`) with a head_dim of at most 256."""
+    head_dim, N) a bare gemv matmul (`use_gemv`) of at most MERGE_O_MAX_WEIGHT_BYTES with a
+    head_dim of at most 256."""
     return (MERGE_O and acc is not None and x.dim() == 2 and 0 < x.shape[0] <= MLP_MAX_ROWS
             and w.shape[0] % num_heads == 0 and w.shape[0] // num_heads <= 256
+            and w.numel() * w.element_size() <= MERGE_O_MAX_WEIGHT_BYTES
             and use_gemv(x.new_empty((x.shape[0], w.shape[0])), w))
 
 
