@@ -254,6 +254,7 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
               # the decode's merge and the o projection in one launch (`_mo`: fused.MERGE_O,
               # off until measured), alone and with the fused MLP (4 launches a layer)
               "plain_mo": None, "plain_fmlp_mo": None, "plain_fmlp4_mo": None,
+              "plain_fmlp16_mo": None,
               "plain_k64_bk2k_fmlp_mo": None, "adaptive_eagle3_fmlp_mo": MODES["adaptive_eagle3"],
               "eagle3_chain_S3K1N4_fmlp_mo": MODES["eagle3_chain_S3K1N4"],
               "eagle3_chain_S3K1N4_fmlp": MODES["eagle3_chain_S3K1N4"],
