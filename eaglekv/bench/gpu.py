@@ -257,6 +257,10 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
               "plain_fmlp16_mo": None,
               "plain_k64_bk2k_fmlp_mo": None, "adaptive_eagle3_fmlp_mo": MODES["adaptive_eagle3"],
               "eagle3_chain_S3K1N4_fmlp_mo": MODES["eagle3_chain_S3K1N4"],
+              # both fusions off (`_nofuse`: on by default since 2026-12-07), the way before
+              "plain_nofuse": None, "eagle3_chain_S3K1N4_nofuse": MODES["eagle3_chain_S3K1N4"],
+              "eagle3_chain_S7K1N8_nofuse": MODES["eagle3_chain_S7K1N8"],
+              "adaptive_eagle3_nofuse": MODES["adaptive_eagle3"],
               "eagle3_chain_S3K1N4_fmlp": MODES["eagle3_chain_S3K1N4"],
               "adaptive_eagle3_fmlp": MODES["adaptive_eagle3"],
               "adaptive_eagle3_dpf": MODES["adaptive_eagle3"],
@@ -276,7 +280,7 @@ VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8"
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
             "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
             "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg", "_dpf",
-            "_bk2k", "_fmlp", "_fmlp4", "_fmlp16", "_mo")
+            "_bk2k", "_fmlp", "_fmlp4", "_fmlp16", "_mo", "_nofuse")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -367,11 +371,15 @@ def make_engine(args, mode: str, max_batch: int) -> Engine:
             fused_triton.GEMV_CONFIG["block_k"] = 2048    # the kernel reads before its wait
     undo = []
     fmlp = [p for p in parts if p.startswith("fmlp")]
-    if fmlp:                     # the MLP in one launch; fmlpN: N intermediate columns at M = 1
+    if "nofuse" in parts:        # the fused MLP and the merge + o launch off (the way before)
+        undo += [(fused, "FUSE_MLP", fused.FUSE_MLP), (fused, "MERGE_O", fused.MERGE_O)]
+        fused.FUSE_MLP = fused.MERGE_O = False
+    if fmlp:                     # the MLP in one launch up to 4 rows; fmlpN: N columns at M = 1
         from eaglekv.kernels import fused_triton
         undo += [(fused, "FUSE_MLP", fused.FUSE_MLP),
+                 (fused, "FUSE_MLP_MAX_ROWS", fused.FUSE_MLP_MAX_ROWS),
                  (fused_triton, "MLP_CONFIG", fused_triton.MLP_CONFIG)]
-        fused.FUSE_MLP = True
+        fused.FUSE_MLP, fused.FUSE_MLP_MAX_ROWS = True, 4
         if fmlp[0] != "fmlp":
             fused_triton.MLP_CONFIG = {**fused_triton.MLP_CONFIG, 1: (int(fmlp[0][4:]), 4)}
     for part, (module, attr, value) in MODULE_VARIANTS.items():
@@ -1446,6 +1454,7 @@ def chained_vs_1step(result: dict) -> None:
                               ("gemv_k_tile_2048_vs_1024", "_bk2k", True),
                               ("mlp_one_launch_vs_two", "_fmlp", True),
                               ("merge_and_o_one_launch_vs_two", "_mo", True),
+                              ("fused_mlp_and_merge_o_vs_off", "_nofuse", False),
                               ("greedy_pick_split_vs_one_program", "_gp1", False)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}

@@ -319,26 +319,33 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------- fused_mlp
 
 # A decoder layer's MLP (add + RMSNorm + gate/up + SiLU*mul + down) as one launch
-# (`fused_triton._mlp_kernel`) for decode-sized batches (M <= MLP_MAX_ROWS): each program
+# (`fused_triton._mlp_kernel`) for a one-row forward (M <= FUSE_MLP_MAX_ROWS): each program
 # takes a slice of the intermediate dimension and adds its part of down's product to an fp32
 # accumulator with atomics, which the next layer's add + RMSNorm reads as its x. Why: plain
-# decoding at batch 1 on the H200 runs ~190 launches a token of ~3 us each (542 us of device
+# decoding at batch 1 on the H200 ran ~190 launches a token of ~3 us each (542 us of device
 # time a token, 2026-12-06), where the layer's weights stream in ~2 us; gate_up and down were
-# two of the five launches a layer (90 us a token between them and o). Built 2026-12-07 on the
-# CPU (interpreter); off until measured on a GPU (EAGLEKV_FUSE_MLP=1, the bench's `_fmlp`
-# modes). Read when a model is built (it keeps down by rows and the accumulators) and at
-# each forward (graphs capture it). The atomics' order varies: results are not bit-stable
-# from run to run (as cuBLAS's split-K is not), greedy tokens may differ at near ties.
-FUSE_MLP = os.environ.get("EAGLEKV_FUSE_MLP", "0") == "1"
-MLP_MAX_ROWS = 4
+# two of the six launches a layer. Measured on an H100 on 2026-12-07 (a random SmolLM2-shaped
+# model, one process, `bench/h200_issue13.sh rnd`; gpu_bench_h100_20261207_fused_*.json): with
+# the merge + o launch below, plain decoding at batch 1 ran 1.17x (2074 / 2108 tok/s against
+# 1769 / 1805 in two processes); alone 1.11x at one row but 0.96x at four (its 4-row tile), so
+# on by default for one row only (EAGLEKV_FUSE_MLP=0 turns it off, EAGLEKV_FUSE_MLP_MAX_ROWS=4
+# takes up to four). Read when a model is built (it keeps down by rows and the accumulators)
+# and at each forward (graphs capture it). The atomics' order varies: results are not
+# bit-stable from run to run (as cuBLAS's split-K is not), greedy tokens may differ at near
+# ties.
+FUSE_MLP = os.environ.get("EAGLEKV_FUSE_MLP", "1") != "0"
+FUSE_MLP_MAX_ROWS = int(os.environ.get("EAGLEKV_FUSE_MLP_MAX_ROWS", "1"))
+MLP_MAX_ROWS = 4                    # rows of the accumulators (the kernels' bound)
 MLP_MAX_WEIGHT_BYTES = 16 << 20     # gate_up + down; larger MLPs stream at the bandwidth
 
 
 def use_fused_mlp(x: torch.Tensor, w: torch.Tensor, wd: torch.Tensor | None) -> bool:
     """The fused MLP takes this forward's MLP: on (FUSE_MLP), the model prepared for it (`wd`,
-    down by rows, not None), a decode-sized x (M <= MLP_MAX_ROWS), gate_up a fused gemv
-    matmul (`use_gemv`), the hidden size in one tile and the weights small enough."""
-    return (FUSE_MLP and wd is not None and x.dim() == 2 and 0 < x.shape[0] <= MLP_MAX_ROWS
+    down by rows, not None), a decode-sized x (M <= FUSE_MLP_MAX_ROWS <= MLP_MAX_ROWS),
+    gate_up a fused gemv matmul (`use_gemv`), the hidden size in one tile and the weights
+    small enough."""
+    return (FUSE_MLP and wd is not None and x.dim() == 2
+            and 0 < x.shape[0] <= min(FUSE_MLP_MAX_ROWS, MLP_MAX_ROWS)
             and use_gemv(x, w, fused=True)
             and x.shape[1] <= _triton_impl().MLP_MAX_HIDDEN
             and (w.numel() + wd.numel()) * w.element_size() <= MLP_MAX_WEIGHT_BYTES)
@@ -398,10 +405,11 @@ def fused_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
 # L2), multiplies by that head's rows of o and adds into an fp32 accumulator by atomics: the
 # merge launch and the o launch (1.3 + 3.1 us a layer at batch 1 on the H200, 2026-12-06)
 # become one. Unlike `gemv_merge` (each of o's ~144 programs merged every head: 0.81x on the
-# H200), each head is merged by the 9 programs that use it. Built 2026-12-07 on the CPU
-# (interpreter); off until measured (EAGLEKV_MERGE_O=1, the bench's `_mo` modes). Read when
-# a model is built (the accumulators) and at each forward (graphs capture it).
-MERGE_O = os.environ.get("EAGLEKV_MERGE_O", "0") == "1"
+# H200), each head is merged by the 9 programs that use it. Measured on an H100 on 2026-12-07
+# (as FUSE_MLP above): plain decoding 1.04x / 1.03x at batch 1 / 4 alone, 1.17x / 1.02x with
+# the fused MLP; on by default (EAGLEKV_MERGE_O=0 turns it off). Read when a model is built
+# (the accumulators) and at each forward (graphs capture it).
+MERGE_O = os.environ.get("EAGLEKV_MERGE_O", "1") != "0"
 MERGE_O_MAX_WEIGHT_BYTES = 8 << 20   # o of SmolLM2 is 0.66 MB; an 8B's 32 MB streams as it is
 
 

@@ -270,29 +270,30 @@ class LlamaForCausalLM:
             # every matmul takes the kernel (EAGLEKV_GEMV=1)
             names = ("qkv", "gate_up") + (("o", "down") if fused.gemv_on(self.device, False)
                                           else ())
-            if fused.FUSE_MLP:      # down by rows for the fused MLP (M > 4: cuBLAS either way)
-                names = tuple(n for n in names if n != "down")
-            if fused.FUSE_MLP or fused.MERGE_O:
-                self.prepare_accumulators()
             for layer in self.layers:
                 for name in names:
                     setattr(layer, name, column_major(getattr(layer, name)))
+            if fused.FUSE_MLP or fused.MERGE_O:
+                self.prepare_accumulators()
         self.rope = RotaryEmbedding(cfg.hf_config, cfg.head_dim,
                                     max_positions or cfg.max_position_embeddings, device)
 
     def prepare_accumulators(self) -> None:
         """Make every layer ready for the fused MLP (`fused.fused_mlp`) and the merge + o
         projection in one launch (`fused.merge_o`), each used where its `use_*` says so: down
-        kept by rows (I, H), and fp32 accumulators of MLP_MAX_ROWS rows, two of each kind
-        taken in turn: layer i adds into its kind's buffer i % 2 and clears buffer (i + 1) % 2
-        for layer i + 1 (its last reader, layer i - 1's, is done by then), and each forward
-        of at most MLP_MAX_ROWS tokens clears both buffers 0 before layer 0. The buffers live
-        as long as the model, so every CUDA graph of it replays over the same ones, one
-        forward at a time."""
+        kept by rows (I, H) where the MLP is small enough (`fused.MLP_MAX_WEIGHT_BYTES`), and
+        fp32 accumulators of MLP_MAX_ROWS rows, two of each kind taken in turn: layer i adds
+        into its kind's buffer i % 2 and clears buffer (i + 1) % 2 for layer i + 1 (its last
+        reader, layer i - 1's, is done by then), and each forward of at most MLP_MAX_ROWS
+        tokens clears both buffers 0 before layer 0. The buffers live as long as the model,
+        so every CUDA graph of it replays over the same ones, one forward at a time."""
         self._acc = torch.zeros((2, 2, fused.MLP_MAX_ROWS, self.cfg.hidden_size),
                                 dtype=torch.float32, device=self.device)
         for i, layer in enumerate(self.layers):
-            layer.down_rows = layer.down.contiguous()       # no copy unless column-major
+            small = ((layer.gate_up.numel() + layer.down.numel()) * layer.down.element_size()
+                     <= fused.MLP_MAX_WEIGHT_BYTES)
+            # a copy where down is column-major for the gemv (SmolLM2: 53 MB in all)
+            layer.down_rows = layer.down.contiguous() if fused.FUSE_MLP and small else None
             now, nxt = self._acc[i % 2], self._acc[(i + 1) % 2]
             layer.mlp_acc, layer.mlp_zero = now[0], nxt[0]
             layer.o_acc, layer.o_zero = now[1], nxt[1]

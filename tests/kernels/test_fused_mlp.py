@@ -143,7 +143,10 @@ def test_use_fused_mlp_bounds(monkeypatch):
     assert fused.use_fused_mlp(x, w, wd)
     assert not fused.use_fused_mlp(x, w, None)                  # model not prepared
     x5 = randn(fused.MLP_MAX_ROWS + 1, 64)
-    assert not fused.use_fused_mlp(x5, w, wd)
+    monkeypatch.setattr(fused, "FUSE_MLP_MAX_ROWS", 16)
+    assert not fused.use_fused_mlp(x5, w, wd)                   # the accumulators' rows
+    monkeypatch.setattr(fused, "FUSE_MLP_MAX_ROWS", 1)          # the default: one row
+    assert not fused.use_fused_mlp(randn(2, 64), w, wd)
     monkeypatch.setattr(fused, "MLP_MAX_WEIGHT_BYTES", 100)
     assert not fused.use_fused_mlp(x, w, wd)
     monkeypatch.setattr(fused, "MLP_MAX_WEIGHT_BYTES", 16 << 20)
