@@ -183,10 +183,10 @@ PY
       --modes "${MODES:-plain,plain_omerge,plain_k64,plain_cg,plain_dpf,plain_bk2k,plain_omerge_dpf,plain_omerge_k64_cg,plain_omerge_k64_cg_dpf,plain_omerge_sp8_k64_cg_dpf,plain_omerge_k64_cg_dpf_bk2k,eagle3_chain_S3K1N4,eagle3_chain_S7K1N8}" \
       --out "$OUT/omerge" 2>&1 | tail -c 20000 > "$OUT/omerge/bench.log"
     tail -4 "$OUT/omerge/bench.log"
+    # TESTS_FILES: the test files (default below); TESTS_K="": every test in them
     timeout "${TESTS_TIMEOUT:-100}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/engine/test_cuda_graph.py tests/engine/test_triton_backend.py \
-      tests/kernels/test_attention_triton.py tests/kernels/test_fused_mlp.py \
-      -k "${TESTS_K:-chain_graph or chain-graph or merge_in_the_o or prefetch or fused_mlp or next_layer or accumulates}" \
+      ${TESTS_FILES:-tests/engine/test_cuda_graph.py tests/engine/test_triton_backend.py tests/kernels/test_attention_triton.py tests/kernels/test_fused_mlp.py} \
+      -k "${TESTS_K-chain_graph or chain-graph or merge_in_the_o or prefetch or fused_mlp or next_layer or accumulates}" \
       > "$OUT/gpu_tests_rnd.log" 2>&1
     tail -2 "$OUT/gpu_tests_rnd.log"
     [ -n "${SKIP_8B:-}" ] || EAGLEKV_BENCH_8B_VARIANTS=${VARIANTS_8B:-bare_cublas,all_cublas,bare_cublas_block_k2048_grope} \

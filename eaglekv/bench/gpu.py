@@ -254,7 +254,7 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
               # the decode's merge and the o projection in one launch (`_mo`: fused.MERGE_O,
               # off until measured), alone and with the fused MLP (4 launches a layer)
               "plain_mo": None, "plain_fmlp_mo": None, "plain_fmlp4_mo": None,
-              "plain_fmlp16_mo": None,
+              "plain_fmlp16_mo": None, "plain_fmlp8w8_mo": None, "plain_fmlp16w8_mo": None,
               "plain_k64_bk2k_fmlp_mo": None, "adaptive_eagle3_fmlp_mo": MODES["adaptive_eagle3"],
               "eagle3_chain_S3K1N4_fmlp_mo": MODES["eagle3_chain_S3K1N4"],
               # both fusions off (`_nofuse`: on by default since 2026-12-07), the way before
@@ -380,8 +380,9 @@ def make_engine(args, mode: str, max_batch: int) -> Engine:
                  (fused, "FUSE_MLP_MAX_ROWS", fused.FUSE_MLP_MAX_ROWS),
                  (fused_triton, "MLP_CONFIG", fused_triton.MLP_CONFIG)]
         fused.FUSE_MLP, fused.FUSE_MLP_MAX_ROWS = True, 4
-        if fmlp[0] != "fmlp":
-            fused_triton.MLP_CONFIG = {**fused_triton.MLP_CONFIG, 1: (int(fmlp[0][4:]), 4)}
+        if fmlp[0] != "fmlp":    # fmlpN or fmlpNwW: N columns a program, W warps
+            bn, _, nw = fmlp[0][4:].partition("w")
+            fused_triton.MLP_CONFIG = {**fused_triton.MLP_CONFIG, 1: (int(bn), int(nw or 4))}
     for part, (module, attr, value) in MODULE_VARIANTS.items():
         if part in parts:
             mod = importlib.import_module(module)
