@@ -326,8 +326,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # time a token, 2026-12-06), where the layer's weights stream in ~2 us; gate_up and down were
 # two of the six launches a layer. Measured on an H100 on 2026-12-07 (a random SmolLM2-shaped
 # model, one process, `bench/h200_issue13.sh rnd`; gpu_bench_h100_20261207_fused_*.json): with
-# the merge + o launch below, plain decoding at batch 1 ran 1.17x (2074 / 2108 tok/s against
-# 1769 / 1805 in two processes); alone 1.11x at one row but 0.96x at four (its 4-row tile), so
+# the merge + o launch below, plain decoding at batch 1 ran 1.17x (2074 / 2087 tok/s against
+# 1769 / 1784 in two processes); alone 1.11x at one row but 0.96x at four (its 4-row tile), so
 # on by default for one row only (EAGLEKV_FUSE_MLP=0 turns it off, EAGLEKV_FUSE_MLP_MAX_ROWS=4
 # takes up to four). Read when a model is built (it keeps down by rows and the accumulators)
 # and at each forward (graphs capture it). The atomics' order varies: results are not
