@@ -175,6 +175,9 @@ PY
     # a random EAGLE-3 head (fixed shapes in the step graph: accept 1 changes no part's
     # kernels); the 8B variants; the cubins' registers
     if [ -f .carry/smollm2/a/part.aa ]; then mkdir -p /root/smollm2 && cp .carry/smollm2/a/part.aa /root/smollm2/; fi
+    if [ -n "${EXPLORE_MLP:-}" ]; then     # the fused MLP's parts first (~30 s)
+      timeout 120 python3 bench/explore_mlp.py --out "$OUT/explore_mlp.json" 2>&1 | tail -14
+    fi
     python3 -c "import sys; sys.path.insert(0, 'bench'); from profile_step import make_model; make_model('/root/rnd')"
     mkdir -p "$OUT/omerge" "$OUT/l8b"
     timeout "${BENCH_TIMEOUT:-330}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \

@@ -502,7 +502,8 @@ def _mlp_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, wd_ptr, acc_ptr, res_ptr, zero_ptr,
                 x_s0, r_s0, w_sk, w_sn, wd_si, wd_sk, acc_s0, n_zero, eps,
                 HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, ZBLOCK: tl.constexpr, BY_HAND: tl.constexpr,
-                USE_GDC: tl.constexpr = False, IEEE: tl.constexpr = False):
+                USE_GDC: tl.constexpr = False, IEEE: tl.constexpr = False,
+                ATOMIC: tl.constexpr = True, DOWN: tl.constexpr = True):
     """A decoder layer's MLP in one launch, split along the intermediate dimension. Program j
     takes intermediate columns c = [j*BLOCK_N, (j+1)*BLOCK_N) of I:
         s = round(x + r); h = round(s * rsqrt(mean(s^2) + eps) * nw)   (as `_gemv_kernel`)
@@ -514,7 +515,9 @@ def _mlp_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, wd_ptr, acc_ptr, res_ptr, zero_ptr,
     n_zero fp32) after the wait. K (the hidden size) is one tile (BLOCK_K >= K); w (K, 2I)
     column-major ([gate | up], `_gemv_kernel`'s SILU layout), wd (I, K) by rows (row i is
     down's input i). The sums' order varies between runs (atomics): fp32 results may differ
-    in the last bits. USE_GDC (PDL): the three weight tiles are read before the wait."""
+    in the last bits. USE_GDC (PDL): the three weight tiles are read before the wait.
+    ATOMIC=False (plain stores: a wrong sum) and DOWN=False (no down product) exist only to
+    time the parts (bench/explore_mlp.py)."""
     j = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
     cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -530,9 +533,15 @@ def _mlp_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, wd_ptr, acc_ptr, res_ptr, zero_ptr,
     wf = wd.to(tl.float32)
     for m in tl.static_range(BLOCK_M):
         am = tl.sum(tl.where(rows[:, None] == m, a, 0.0), axis=0)                  # (BN,)
-        part = tl.sum(am[:, None] * wf, axis=0)                                    # (BK,)
-        tl.atomic_add(acc_ptr + m * acc_s0 + ks, part, mask=km & (ks * 0 + m < M),
-                      sem="relaxed")                  # (a full vector: the interpreter's masks)
+        if DOWN:
+            part = tl.sum(am[:, None] * wf, axis=0)                                # (BK,)
+        else:
+            part = tl.sum(am) + ks * 0.0
+        mask = km & (ks * 0 + m < M)              # (a full vector: the interpreter's masks)
+        if ATOMIC:
+            tl.atomic_add(acc_ptr + m * acc_s0 + ks, part, mask=mask, sem="relaxed")
+        else:
+            tl.store(acc_ptr + m * acc_s0 + ks, part, mask=mask)
 
 
 # (block_n, num_warps) of `_mlp_kernel` by rows: intermediate columns a program (I / block_n
@@ -545,26 +554,28 @@ if os.environ.get("EAGLEKV_MLP_CONFIG"):
 MLP_MAX_HIDDEN = 2048        # the hidden size in one tile (SmolLM2's 576; an 8B's 4096 is not)
 
 
-def mlp_triton(x, residual, norm_weight, eps: float, w, wd, acc, zero):
+def mlp_triton(x, residual, norm_weight, eps: float, w, wd, acc, zero, *, config=None,
+               atomic: bool = True, down: bool = True):
     """`_mlp_kernel`: x (M <= 4, K) contiguous rows (fp32 or w's dtype), residual (M, K) or
     None, w (K, 2I) column-major, wd (I, K) rows, acc (>= M, K) fp32 zero on entry, zero a
     contiguous fp32 buffer to clear -> (acc[:M] holding the MLP's output, new residual).
-    Arguments checked by `fused.fused_mlp`."""
+    Arguments checked by `fused.fused_mlp`. config (block_n, num_warps), atomic and down:
+    bench/explore_mlp.py's variants (atomic / down False time a part and give wrong sums)."""
     M, K = x.shape
     I = wd.shape[0]
     bm = _pow2(M)
-    bn, nw = MLP_CONFIG[bm]
+    bn, nw = config or MLP_CONFIG[bm]
     progs = -(-I // bn)
     zb = _pow2(-(-zero.numel() // progs))
     use_pdl = pdl.enabled(x.device)
     r = x if residual is None else residual
     new_res = x if residual is None else torch.empty_like(residual)
     key = (_sig(x), residual is None, _sig(r), _sig(norm_weight), _sig(w), _sig(wd), _sig(acc),
-           _sig(zero), bn, nw, use_pdl)
+           _sig(zero), bn, nw, use_pdl, atomic, down)
     args = (x, r, norm_weight, w, wd, acc, new_res, zero, M, K, I, x.stride(0), r.stride(0),
             w.stride(0), w.stride(1), wd.stride(0), wd.stride(1), acc.stride(0), zero.numel(),
             eps, residual is not None, bm, bn, max(16, _pow2(K)), zb, not x.is_cuda, use_pdl,
-            w.dtype == torch.float32 or not x.is_cuda)
+            w.dtype == torch.float32 or not x.is_cuda, atomic, down)
     _MLP.launch(_MLP.lookup(key), key, (progs, 1), args, x.get_device(), num_warps=nw,
                 num_stages=1, **pdl.launch_options(use_pdl))
     return acc[:M], new_res
