@@ -147,7 +147,7 @@ for M in (1, 4):       # the qkv gemv with the rope epilogue (fused.FUSE_GEMV_RO
         vc_ptr="*bf16"), cx, num_stages=2, launch_pdl=True)[0])
 for M in (1, 4):       # the MLP in one launch (fused.FUSE_MLP): x the fp32 accumulator
     cx = dict(HAS_RESIDUAL=True, BLOCK_M=M, BLOCK_N=8 if M == 1 else 4, BLOCK_K=1024,
-              ZBLOCK=16, BY_HAND=False, USE_GDC=True)
+              ZBLOCK=16, BY_HAND=False, USE_GDC=True, IEEE=False, ATOMIC=True, DOWN=True)
     ptx = ptx_of(ft._mlp_kernel, dict(gemv_ptrs, x_ptr="*fp32", wd_ptr="*bf16",
                                       acc_ptr="*fp32", zero_ptr="*fp32"), cx, num_stages=1,
                  launch_pdl=True)[0]
