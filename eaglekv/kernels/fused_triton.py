@@ -358,8 +358,17 @@ def _gemv_rows(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, kk, km, x_s0, r_s0, K, i
     return h
 
 
+# `_gemv_acc`'s one-row form (ROW2, see there) for the gemv, gemv + RoPE and MLP kernels at
+# M = 1: compiled for sm_90 (bench's PTX counts, 2026-12-07) it takes the bare gemv from 27
+# CTA barriers to 5 and 24 shared-memory vector stores to 2, gate_up with SiLU*mul from 38
+# to 12 and 24 to 4, the fused MLP from 58 to 12 and 50 to 10: the 3-D form moved the weight
+# tile through shared memory. Read at each launch (graphs capture it); EAGLEKV_GEMV_ONE_ROW_2D=0
+# (the bench's `_r3d` modes): the 3-D form, as before.
+GEMV_ONE_ROW_2D = os.environ.get("EAGLEKV_GEMV_ONE_ROW_2D", "1") != "0"
+
+
 @triton.jit
-def _gemv_acc(acc, h, w, DOT: tl.constexpr, IEEE: tl.constexpr):
+def _gemv_acc(acc, h, w, DOT: tl.constexpr, IEEE: tl.constexpr, ROW2: tl.constexpr = False):
     """acc (BLOCK_M, BLOCK_N) fp32 += h (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K)^T: fp32
     products summed in fp32 either way. DOT: on the tensor cores (BLOCK_M >= 16; IEEE: fp32
     inputs, or the CPU interpreter, in full fp32 rather than tf32); else broadcast and sum in
@@ -369,6 +378,11 @@ def _gemv_acc(acc, h, w, DOT: tl.constexpr, IEEE: tl.constexpr):
             acc += tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(h, tl.trans(w.to(h.dtype)))
+    elif ROW2 and h.shape[0] == 1:
+        # one row: the products in w's own (BLOCK_N, BLOCK_K) layout, h broadcast along n,
+        # summed along k; the 3-D form below moved the weight tile through shared memory
+        hv = tl.reshape(h.to(tl.float32), (h.shape[1],))
+        acc += tl.reshape(tl.sum(hv[None, :] * w.to(tl.float32), axis=1), (1, w.shape[0]))
     else:
         acc += tl.sum(h.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     return acc
@@ -379,7 +393,8 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s
                  w_sk, w_sn, eps, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, BY_HAND: tl.constexpr, USE_GDC: tl.constexpr = False,
-                 DOT: tl.constexpr = False, IEEE: tl.constexpr = False):
+                 DOT: tl.constexpr = False, IEEE: tl.constexpr = False,
+                 ROW2: tl.constexpr = False):
     """Program j: output columns [j*BLOCK_N, (j+1)*BLOCK_N) of all M <= BLOCK_M rows of
         h = x                                              (NORM off), or
         s = round(x + r); h = round(s * rsqrt(mean(s^2) + eps) * nw)    (NORM, as norm_matmul)
@@ -397,7 +412,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s
     cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     y = _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, N_OUT, x_s0, r_s0, w_sk, w_sn,
                    eps, j, rows, cols, out_ptr.dtype.element_ty, NORM, HAS_RESIDUAL, SILU,
-                   BLOCK_M, BLOCK_N, BLOCK_K, BY_HAND, USE_GDC, DOT, IEEE)
+                   BLOCK_M, BLOCK_N, BLOCK_K, BY_HAND, USE_GDC, DOT, IEEE, ROW2)
     tl.store(out_ptr + rows[:, None] * N_OUT + cols[None, :], y,
              mask=(rows < M)[:, None] & (cols < N_OUT)[None, :])
 
@@ -407,7 +422,7 @@ def _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, N_OUT, x_s0, r_s0, w_
                j, rows, cols, dt: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, BY_HAND: tl.constexpr, USE_GDC: tl.constexpr,
-               DOT: tl.constexpr, IEEE: tl.constexpr):
+               DOT: tl.constexpr, IEEE: tl.constexpr, ROW2: tl.constexpr = False):
     """`_gemv_kernel`'s product for output columns `cols` of rows `rows`, rounded to `dt`
     (BLOCK_M, BLOCK_N); the dependents may launch once it returns (USE_GDC)."""
     rm = rows < M
@@ -439,10 +454,10 @@ def _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, N_OUT, x_s0, r_s0, w_
         inv = tl.rsqrt(sq / K + eps)
     h = _gemv_rows(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, ks, km0, x_s0, r_s0, K, inv,
                    j == 0, NORM, HAS_RESIDUAL, BY_HAND)                   # pass 2: h @ W
-    acc = _gemv_acc(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), h, w0, DOT, IEEE)
+    acc = _gemv_acc(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), h, w0, DOT, IEEE, ROW2)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SILU:
-        acc2 = _gemv_acc(acc2, h, u0, DOT, IEEE)
+        acc2 = _gemv_acc(acc2, h, u0, DOT, IEEE, ROW2)
     for k0 in range(BLOCK_K, K, BLOCK_K):                                 # the other tiles
         kk = k0 + ks
         km = kk < K
@@ -450,10 +465,10 @@ def _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, N_OUT, x_s0, r_s0, w_
                        j == 0, NORM, HAS_RESIDUAL, BY_HAND)
         wm = cm[:, None] & km[None, :]
         w_at = w_ptr + cols[:, None] * w_sn + kk.to(tl.int64)[None, :] * w_sk   # (BN, BK)
-        acc = _gemv_acc(acc, h, tl.load(w_at, mask=wm, other=0.0), DOT, IEEE)
+        acc = _gemv_acc(acc, h, tl.load(w_at, mask=wm, other=0.0), DOT, IEEE, ROW2)
         if SILU:
             acc2 = _gemv_acc(acc2, h, tl.load(w_at + N_OUT * w_sn, mask=wm, other=0.0), DOT,
-                             IEEE)
+                             IEEE, ROW2)
     if USE_GDC:
         gdc_launch_dependents()
     y = _round(acc, dt, BY_HAND)
@@ -475,7 +490,7 @@ def gemv_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, check,
     bm, bn, bk, nw, dot = gemv_tiling(M, K, block_n, block_k, num_warps)
     use_pdl = pdl.enabled(x.device)
     key = (_sig(x), residual is None, _sig(r), norm and _sig(norm_weight), _sig(w), silu_mul,
-           bn, bk, nw, use_pdl)
+           bn, bk, nw, use_pdl, GEMV_ONE_ROW_2D)
     hit = _GEMV.lookup(key)
     if hit is None:
         check(x, residual, norm_weight, w, silu_mul)
@@ -488,7 +503,7 @@ def gemv_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, check,
                 new_res if new_res is not None else out, M, K, n_out, x.stride(0),
                 r.stride(0), w.stride(0), w.stride(1), eps, norm, residual is not None,
                 silu_mul, bm, bn, bk, not x.is_cuda, use_pdl, dot,
-                w.dtype == torch.float32 or not x.is_cuda)
+                w.dtype == torch.float32 or not x.is_cuda, GEMV_ONE_ROW_2D)
         _GEMV.launch(hit, key, (-(-n_out // bn), 1), args, x.get_device(),
                      num_warps=nw, num_stages=2, **pdl.launch_options(use_pdl))
     return out, new_res
@@ -503,7 +518,8 @@ def _mlp_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, wd_ptr, acc_ptr, res_ptr, zero_ptr,
                 HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, ZBLOCK: tl.constexpr, BY_HAND: tl.constexpr,
                 USE_GDC: tl.constexpr = False, IEEE: tl.constexpr = False,
-                ATOMIC: tl.constexpr = True, DOWN: tl.constexpr = True):
+                ATOMIC: tl.constexpr = True, DOWN: tl.constexpr = True,
+                ROW2: tl.constexpr = False):
     """A decoder layer's MLP in one launch, split along the intermediate dimension. Program j
     takes intermediate columns c = [j*BLOCK_N, (j+1)*BLOCK_N) of I:
         s = round(x + r); h = round(s * rsqrt(mean(s^2) + eps) * nw)   (as `_gemv_kernel`)
@@ -527,7 +543,7 @@ def _mlp_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, wd_ptr, acc_ptr, res_ptr, zero_ptr,
                  mask=(cols < I)[:, None] & km[None, :], other=0.0)      # (BN, BK), pre-wait
     a = _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, I, x_s0, r_s0, w_sk, w_sn, eps,
                    j, rows, cols, w_ptr.dtype.element_ty, True, HAS_RESIDUAL, True, BLOCK_M,
-                   BLOCK_N, BLOCK_K, BY_HAND, USE_GDC, False, IEEE).to(tl.float32)
+                   BLOCK_N, BLOCK_K, BY_HAND, USE_GDC, False, IEEE, ROW2).to(tl.float32)
     z = j * ZBLOCK + tl.arange(0, ZBLOCK)
     tl.store(zero_ptr + z, tl.zeros([ZBLOCK], tl.float32), mask=z < n_zero)
     wf = wd.to(tl.float32)
@@ -571,11 +587,11 @@ def mlp_triton(x, residual, norm_weight, eps: float, w, wd, acc, zero, *, config
     r = x if residual is None else residual
     new_res = x if residual is None else torch.empty_like(residual)
     key = (_sig(x), residual is None, _sig(r), _sig(norm_weight), _sig(w), _sig(wd), _sig(acc),
-           _sig(zero), bn, nw, use_pdl, atomic, down)
+           _sig(zero), bn, nw, use_pdl, atomic, down, GEMV_ONE_ROW_2D)
     args = (x, r, norm_weight, w, wd, acc, new_res, zero, M, K, I, x.stride(0), r.stride(0),
             w.stride(0), w.stride(1), wd.stride(0), wd.stride(1), acc.stride(0), zero.numel(),
             eps, residual is not None, bm, bn, max(16, _pow2(K)), zb, not x.is_cuda, use_pdl,
-            w.dtype == torch.float32 or not x.is_cuda, atomic, down)
+            w.dtype == torch.float32 or not x.is_cuda, atomic, down, GEMV_ONE_ROW_2D)
     _MLP.launch(_MLP.lookup(key), key, (progs, 1), args, x.get_device(), num_warps=nw,
                 num_stages=1, **pdl.launch_options(use_pdl))
     return acc[:M], new_res
@@ -741,7 +757,8 @@ def _gemv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, x_s0, r_s0, w_
                       HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, BY_HAND: tl.constexpr, CHECK: tl.constexpr,
                       ASSERT: tl.constexpr, USE_GDC: tl.constexpr = False,
-                      DOT: tl.constexpr = False, IEEE: tl.constexpr = False):
+                      DOT: tl.constexpr = False, IEEE: tl.constexpr = False,
+                      ROW2: tl.constexpr = False):
     """`_gemv_kernel`'s add + RMSNorm + qkv product (columns [j*BLOCK_N, (j+1)*BLOCK_N) of
     the (H + 2Hkv) * D, rounded as the matmul's output), then `_rope_store_qkv_kernel`'s
     epilogue on them: pair (2i, 2i+1) of a q or k head rotated by cos/sin[pos[t], i] and
@@ -757,7 +774,7 @@ def _gemv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, x_s0, r_s0, w_
     cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     y = _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, NQKV, x_s0, r_s0, w_sk, w_sn,
                    eps, j, rows, cols, q_ptr.dtype.element_ty, True, HAS_RESIDUAL, False,
-                   BLOCK_M, BLOCK_N, BLOCK_K, BY_HAND, USE_GDC, DOT, IEEE)     # (BM, BN)
+                   BLOCK_M, BLOCK_N, BLOCK_K, BY_HAND, USE_GDC, DOT, IEEE, ROW2)  # (BM, BN)
     pos = tl.load(pos_ptr + rows * p_s0, mask=rm, other=0).to(tl.int64)        # (BM,)
     slot = tl.load(loc_ptr + rows * l_s0, mask=rm, other=0).to(tl.int64)
     pos_ok, slot_ok = _rope_ok(pos, slot, num_pos, size_limit, CHECK)
@@ -805,7 +822,7 @@ def gemv_rope_store_triton(x, residual, norm_weight, eps: float, w, cos, sin, po
     key = (_sig(x), residual is None, residual is not None and _sig(residual), _sig(norm_weight),
            _sig(w), _sig(cos), _sig(sin), _sig(positions), _sig(out_cache_loc), _sig(k_cache),
            _sig(v_cache), num_heads, num_kv_heads, size_limit, FLAGS.checks,
-           FLAGS.device_assert, bn, bk, nw, use_pdl)
+           FLAGS.device_assert, bn, bk, nw, use_pdl, GEMV_ONE_ROW_2D)
     hit = _GEMV_ROPE.lookup(key)
     if hit is None:
         check(x, residual, norm_weight, w, cos, sin, positions, k_cache, v_cache, out_cache_loc,
@@ -824,7 +841,7 @@ def gemv_rope_store_triton(x, residual, norm_weight, eps: float, w, cos, sin, po
             out_cache_loc.stride(0), q, k_cache, v_cache, guard.err, pos_call, slot_call,
             cos.shape[0], size_limit, num_heads, num_kv_heads, D, residual is not None,
             bm, bn, bk, not x.is_cuda, FLAGS.checks, FLAGS.device_assert, use_pdl, dot,
-            w.dtype == torch.float32 or not x.is_cuda)
+            w.dtype == torch.float32 or not x.is_cuda, GEMV_ONE_ROW_2D)
     # tl.device_assert is compiled in only with debug=True
     _GEMV_ROPE.launch(hit, key, (-(-n_out // bn), 1), args, x.get_device(), num_warps=nw,
                       num_stages=2, debug=FLAGS.device_assert, **pdl.launch_options(use_pdl))

@@ -133,7 +133,7 @@ def gdc(ptx):
 gemv_ptrs = {n: "*bf16" for n in ("x_ptr", "r_ptr", "nw_ptr", "w_ptr", "out_ptr", "res_ptr")}
 for norm, silu in ((True, False), (True, True), (False, False)):
     cx = dict(NORM=norm, HAS_RESIDUAL=norm, SILU=silu, BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024,
-              BY_HAND=False, USE_GDC=True)
+              BY_HAND=False, USE_GDC=True, DOT=False, IEEE=False, ROW2=True)
     ptx, meta = ptx_of(ft._gemv_kernel, gemv_ptrs, cx, num_stages=2, launch_pdl=True)
     out[f"gemv_gdc_{int(norm)}{int(silu)}"] = gdc(ptx)
     out["launch_pdl_in_metadata"] = bool(getattr(meta, "launch_pdl", False))
@@ -141,13 +141,15 @@ cx = dict(H=9, HKV=3, D=64, HB=16, PB=32, ASSERT=False, BY_HAND=False, CHECK=Tru
 out["rope_gdc"] = gdc(ptx_of(ft._rope_store_qkv_kernel, ptrs, cx)[0])
 for M in (1, 4):       # the qkv gemv with the rope epilogue (fused.FUSE_GEMV_ROPE)
     cx = dict(H=9, HKV=3, D=64, HAS_RESIDUAL=True, BLOCK_M=M, BLOCK_N=4, BLOCK_K=1024,
-              BY_HAND=False, CHECK=True, ASSERT=False, USE_GDC=True)
+              BY_HAND=False, CHECK=True, ASSERT=False, USE_GDC=True, DOT=False, IEEE=False,
+              ROW2=True)
     out[f"gemv_rope_gdc_{M}"] = gdc(ptx_of(ft._gemv_rope_kernel, dict(
         gemv_ptrs, cos_ptr="*fp32", sin_ptr="*fp32", q_ptr="*bf16", kc_ptr="*bf16",
         vc_ptr="*bf16"), cx, num_stages=2, launch_pdl=True)[0])
 for M in (1, 4):       # the MLP in one launch (fused.FUSE_MLP): x the fp32 accumulator
     cx = dict(HAS_RESIDUAL=True, BLOCK_M=M, BLOCK_N=8 if M == 1 else 4, BLOCK_K=1024,
-              ZBLOCK=16, BY_HAND=False, USE_GDC=True, IEEE=False, ATOMIC=True, DOWN=True)
+              ZBLOCK=16, BY_HAND=False, USE_GDC=True, IEEE=False, ATOMIC=True, DOWN=True,
+              ROW2=True)
     ptx = ptx_of(ft._mlp_kernel, dict(gemv_ptrs, x_ptr="*fp32", wd_ptr="*bf16",
                                       acc_ptr="*fp32", zero_ptr="*fp32"), cx, num_stages=1,
                  launch_pdl=True)[0]

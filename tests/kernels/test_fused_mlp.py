@@ -165,3 +165,23 @@ def test_bad_arguments_name_the_value():
         fused.fused_mlp(x, r, nw, EPS, w, wd, acc, acc)
     with pytest.raises(TypeError, match="acc dtype torch.float16"):
         fused.fused_mlp(x, r, nw, EPS, w, wd, acc.half(), zero)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_product_forms_agree(dtype, monkeypatch):
+    """`_gemv_acc`'s one-row form (ROW2, the default: the products in the weight tile's own
+    layout) and the 3-D form before it give the same gemv (bare, and with the norm and
+    SiLU*mul) and the same fused MLP within fp32 summation order."""
+    from eaglekv.kernels import fused_triton as ft
+    x, r, nw, w, wd = case(1, 96, 40, dtype, x32=False, seed=3)
+    got = {}
+    for row2 in (True, False):
+        monkeypatch.setattr(ft, "GEMV_ONE_ROW_2D", row2)
+        act, res = ft.gemv_triton(x, r, nw, EPS, w, True, fused._check_gemv)
+        bare = ft.gemv_triton(act, None, None, 0.0, fused.column_major(wd), False,
+                              fused._check_gemv)[0]
+        acc, zero = buffers(96)
+        y, _ = fused.fused_mlp(x, r, nw, EPS, w, wd, acc, zero)
+        got[row2] = (act, res, bare, y.clone())
+    for a, b, what in zip(got[True], got[False], ("gate_up", "residual", "down", "mlp")):
+        close(a, b, dtype, what)
