@@ -259,9 +259,11 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
               "eagle3_chain_S3K1N4_fmlp_mo": MODES["eagle3_chain_S3K1N4"],
               # both fusions off (`_nofuse`: on by default since 2026-12-07), the way before
               "plain_nofuse": None, "eagle3_chain_S3K1N4_nofuse": MODES["eagle3_chain_S3K1N4"],
-              # the gemv's one-row products in the 3-D form (`_r3d`), with and without fusions
-              "plain_r3d": None, "plain_nofuse_r3d": None,
-              "eagle3_chain_S7K1N8_r3d": MODES["eagle3_chain_S7K1N8"],
+              # the gemv's one-row products in the weight tile's layout (`_r2d`), with and
+              # without the fusions; `_r3d`: the 3-D form (the default)
+              "plain_r2d": None, "plain_nofuse_r2d": None, "plain_r3d": None,
+              "eagle3_chain_S7K1N8_r2d": MODES["eagle3_chain_S7K1N8"],
+              "adaptive_eagle3_r2d": MODES["adaptive_eagle3"],
               "eagle3_chain_S7K1N8_nofuse": MODES["eagle3_chain_S7K1N8"],
               "adaptive_eagle3_nofuse": MODES["adaptive_eagle3"],
               "eagle3_chain_S3K1N4_fmlp": MODES["eagle3_chain_S3K1N4"],
@@ -283,14 +285,16 @@ VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8"
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
             "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
             "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg", "_dpf",
-            "_bk2k", "_fmlp", "_fmlp4", "_fmlp16", "_mo", "_nofuse", "_r3d")
+            "_bk2k", "_fmlp", "_fmlp4", "_fmlp16", "_mo", "_nofuse", "_r3d", "_r2d")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
                    "cg": ("eaglekv.cuda_graph", "CHAIN_GRAPH_MAX_BATCH", 4),
                    "dpf": ("eaglekv.kernels.attention_triton", "DECODE_PREFETCH", True),
                    "mo": ("eaglekv.kernels.fused", "MERGE_O", True),
-                   # the gemv's one-row products in the 3-D form (before 2026-12-07 evening)
+                   # the gemv's one-row products in the weight tile's layout (`_r2d`, off
+                   # until timed) or in the 3-D form (`_r3d`, the default)
+                   "r2d": ("eaglekv.kernels.fused_triton", "GEMV_ONE_ROW_2D", True),
                    "r3d": ("eaglekv.kernels.fused_triton", "GEMV_ONE_ROW_2D", False),
                    "fmerge": ("eaglekv.kernels.attention_triton", "FUSED_DECODE_MERGE", True),
                    "pdl": ("eaglekv.kernels.pdl", "PDL", True),
@@ -1010,7 +1014,11 @@ def llama8b_row(context: int = 512, steps: int = 50) -> dict:
                    [(fused, "GEMV_MAX_WEIGHT_BYTES", 8 << 20)])
     tiling.update({"bare_cublas": bare, "all_cublas": every,
                    "bare_cublas_block_k2048": bare + k2048,
-                   "bare_cublas_block_k2048_grope": bare + k2048 + grope})
+                   "bare_cublas_block_k2048_grope": bare + k2048 + grope,
+                   # the one-row products in the weight tile's layout (GEMV_ONE_ROW_2D, off
+                   # until timed: no smem round trip of each tile), alone and with 2048 tiles
+                   "row2d": [(fused_triton, "GEMV_ONE_ROW_2D", True)],
+                   "row2d_block_k2048": [(fused_triton, "GEMV_ONE_ROW_2D", True)] + k2048})
     only = os.environ.get("EAGLEKV_BENCH_8B_VARIANTS")      # a comma list: these only
     for name, sets in (("grope", grope), ("sp1", [(attn_mod, "MAX_SPLITS", 1)]),
                        ("grope_sp1", grope + [(attn_mod, "MAX_SPLITS", 1)]),
@@ -1461,7 +1469,7 @@ def chained_vs_1step(result: dict) -> None:
                               ("mlp_one_launch_vs_two", "_fmlp", True),
                               ("merge_and_o_one_launch_vs_two", "_mo", True),
                               ("fused_mlp_and_merge_o_vs_off", "_nofuse", False),
-                              ("one_row_2d_vs_3d", "_r3d", False),
+                              ("one_row_2d_vs_3d", "_r2d", True),
                               ("greedy_pick_split_vs_one_program", "_gp1", False)):
         pairs = {m.removesuffix(suffix): m for m in modes
                  if m.endswith(suffix) and m.removesuffix(suffix) in modes}

@@ -362,9 +362,10 @@ def _gemv_rows(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, kk, km, x_s0, r_s0, K, i
 # M = 1: compiled for sm_90 (bench's PTX counts, 2026-12-07) it takes the bare gemv from 27
 # CTA barriers to 5 and 24 shared-memory vector stores to 2, gate_up with SiLU*mul from 38
 # to 12 and 24 to 4, the fused MLP from 58 to 12 and 50 to 10: the 3-D form moved the weight
-# tile through shared memory. Read at each launch (graphs capture it); EAGLEKV_GEMV_ONE_ROW_2D=0
-# (the bench's `_r3d` modes): the 3-D form, as before.
-GEMV_ONE_ROW_2D = os.environ.get("EAGLEKV_GEMV_ONE_ROW_2D", "1") != "0"
+# tile through shared memory. Built 2026-12-07 without a GPU (no machine came for the call
+# that was to time it): off until timed (EAGLEKV_GEMV_ONE_ROW_2D=1, the bench's `_r2d` modes).
+# Read at each launch (graphs capture it).
+GEMV_ONE_ROW_2D = os.environ.get("EAGLEKV_GEMV_ONE_ROW_2D", "0") == "1"
 
 
 @triton.jit

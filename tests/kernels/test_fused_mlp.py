@@ -169,9 +169,9 @@ def test_bad_arguments_name_the_value():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_row_product_forms_agree(dtype, monkeypatch):
-    """`_gemv_acc`'s one-row form (ROW2, the default: the products in the weight tile's own
-    layout) and the 3-D form before it give the same gemv (bare, and with the norm and
-    SiLU*mul) and the same fused MLP within fp32 summation order."""
+    """`_gemv_acc`'s one-row form (ROW2, GEMV_ONE_ROW_2D: the products in the weight tile's
+    own layout) and the 3-D form (the default) give the same gemv (bare, and with the norm
+    and SiLU*mul) and the same fused MLP within fp32 summation order."""
     from eaglekv.kernels import fused_triton as ft
     x, r, nw, w, wd = case(1, 96, 40, dtype, x32=False, seed=3)
     got = {}
