@@ -113,12 +113,18 @@ class DecoderLayer:
         # rows (I, H), this layer's fp32 accumulators and the next layer's, which it clears
         self.down_rows = self.mlp_acc = self.mlp_zero = self.o_acc = self.o_zero = None
 
+    @property
+    def one_kernel_qkv(self) -> bool:
+        """The layer's add + RMSNorm + qkv goes through `backend.forward_norm_qkv` (an input
+        norm, no q/k/v bias, no q/k norm): the path that also takes an fp32 x."""
+        return self.input_norm is not None and self.qkv_bias is None and self.q_norm is None
+
     def forward(self, x, residual, rope, backend, meta, layer_id):
         """x: (T, H) the previous layer's output (the residual stream not yet added), `rope`
         what `backend.rope_inputs` gave for this forward -> (output, residual)."""
         cfg = self.cfg
         T, H, Hkv, D = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        if self.input_norm is not None and self.qkv_bias is None and self.q_norm is None:
+        if self.one_kernel_qkv:
             # add + RMSNorm + QKV matmul: one kernel on a decode-sized batch (fused.py), RoPE
             # and the K/V store after it (on the Triton backend optionally in its epilogue)
             # the attention's merge with the o projection in one launch (merge_o), or inside
@@ -287,6 +293,9 @@ class LlamaForCausalLM:
         reader, layer i - 1's, is done by then), and each forward of at most MLP_MAX_ROWS
         tokens clears both buffers 0 before layer 0. The buffers live as long as the model,
         so every CUDA graph of it replays over the same ones, one forward at a time."""
+        if not all(layer.one_kernel_qkv for layer in self.layers):
+            self._acc = None     # q/k/v biases or norms: the next layer's add + RMSNorm would
+            return               # not take the fp32 x (Qwen2, Qwen3 keep the unfused kernels)
         self._acc = torch.zeros((2, 2, fused.MLP_MAX_ROWS, self.cfg.hidden_size),
                                 dtype=torch.float32, device=self.device)
         for i, layer in enumerate(self.layers):

@@ -162,6 +162,25 @@ def test_fused_mlp_and_merge_o_equal_torch(tiny_dir, reference, monkeypatch, kin
         assert ({3} if kind == "plain" else {4}) <= set(launches["mo"])
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_fusions_leave_biased_or_qk_normed_layers_alone(tmp_path, monkeypatch, arch):
+    """A model whose layers take another qkv path (Qwen2's q/k/v biases, Qwen3's q/k norms,
+    which would not take the fp32 x the fused MLP hands on) gets no accumulators, so neither
+    fusion runs, and greedy output equals the torch backend's."""
+    from helpers import make_tiny
+    from eaglekv.kernels import fused
+    make_tiny(tmp_path, arch, **({"head_dim": 32} if arch == "qwen3" else {}))
+    ref = [o.token_ids for o in tiny_engine(tmp_path).generate(PROMPTS[:1], SP)]
+    monkeypatch.setattr(fused, "FUSE_GEMV", True)            # the CPU interpreter too
+    monkeypatch.setattr(fused, "FUSE_MLP", True)
+    monkeypatch.setattr(fused, "MERGE_O", True)
+    engine = tiny_engine(tmp_path, device=DEV, attention_backend="triton")
+    engine.model.prepare_accumulators()
+    assert engine.model._acc is None
+    assert all(layer.down_rows is None and layer.o_acc is None for layer in engine.model.layers)
+    assert [o.token_ids for o in engine.generate(PROMPTS[:1], SP)] == ref
+
+
 def test_layer_checks_read_req_to_token_in_every_layer(tiny_dir, reference, monkeypatch):
     """Inside `layer_checks()` (measurement: the way before the once-a-forward check) every
     target layer checks req_to_token itself; the same tokens."""
