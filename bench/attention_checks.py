@@ -132,6 +132,7 @@ def time_graph(g) -> float:
 
 
 def main() -> None:
+    global N
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--variants", default="0,1,g,2,3,0p,1p")
@@ -143,7 +144,6 @@ def main() -> None:
            "device": torch.cuda.get_device_name(), "command":
            "python bench/attention_checks.py " + " ".join(sys.argv[1:]),
            "us_per_launch": {}}
-    global N
     N = args.n
     for kind in args.kinds.split(","):
         for B in (1, 64):

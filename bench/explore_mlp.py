@@ -25,10 +25,11 @@ import sys
 
 import torch
 
+from attention_checks import LAYERS, time_graph    # bench/: 30 layers a graph, us a layer
 from eaglekv.kernels import fused
 from eaglekv.kernels import fused_triton as ft
 
-H, I, LAYERS, EPS = 576, 1536, 30, 1e-5
+H, I, EPS = 576, 1536, 1e-5
 
 
 def variants() -> dict[str, tuple | None]:
@@ -79,15 +80,6 @@ def graph_of(ws, cfg) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(g):
         run()
     return g
-
-
-def time_graph(g) -> float:
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) * 1e3 / LAYERS        # us a layer
 
 
 def main() -> None:

@@ -671,3 +671,15 @@ def test_hf_row_warms_up_at_the_timed_length(monkeypatch):
     row = gpu.hf_row(args, [1, 2, 3])
     assert calls == [256] * 4
     assert row == {"tokens_per_s": 2560.0, "runs": [2560.0] * 3}
+
+
+def test_every_bench_script_compiles():
+    """The scripts under bench/ that only a GPU loan runs at least compile here (a
+    `global` after the name's first use in bench/attention_checks.py was a SyntaxError that
+    also broke the scripts importing from it, found 2026-12-07)."""
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2] / "bench"
+    scripts = sorted(root.glob("*.py"))
+    assert len(scripts) > 10
+    for path in scripts:
+        compile(path.read_text(), str(path), "exec")            # raises SyntaxError
