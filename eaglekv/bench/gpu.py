@@ -257,7 +257,8 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
               "plain_fmlp16_mo": None, "plain_fmlp8w8_mo": None, "plain_fmlp16w8_mo": None,
               "plain_k64_bk2k_fmlp_mo": None, "adaptive_eagle3_fmlp_mo": MODES["adaptive_eagle3"],
               "eagle3_chain_S3K1N4_fmlp_mo": MODES["eagle3_chain_S3K1N4"],
-              # both fusions off (`_nofuse`: on by default since 2026-12-07), the way before
+              # both fusions off (`_nofuse`: the default; they were on by default for part of
+              # 2026-12-07 until the GPU lossless tests failed with them)
               "plain_nofuse": None, "eagle3_chain_S3K1N4_nofuse": MODES["eagle3_chain_S3K1N4"],
               # the gemv's one-row products in the weight tile's layout (`_r2d`), with and
               # without the fusions; `_r3d`: the 3-D form (the default)

@@ -327,13 +327,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # two of the six launches a layer. Measured on an H100 on 2026-12-07 (a random SmolLM2-shaped
 # model, one process, `bench/h200_issue13.sh rnd`; gpu_bench_h100_20261207_fused_*.json): with
 # the merge + o launch below, plain decoding at batch 1 ran 1.17x (2074 / 2087 tok/s against
-# 1769 / 1784 in two processes); alone 1.11x at one row but 0.96x at four (its 4-row tile), so
-# on by default for one row only (EAGLEKV_FUSE_MLP=0 turns it off, EAGLEKV_FUSE_MLP_MAX_ROWS=4
-# takes up to four). Read when a model is built (it keeps down by rows and the accumulators)
-# and at each forward (graphs capture it). The atomics' order varies: results are not
-# bit-stable from run to run (as cuBLAS's split-K is not), greedy tokens may differ at near
-# ties.
-FUSE_MLP = os.environ.get("EAGLEKV_FUSE_MLP", "1") != "0"
+# 1769 / 1784 in two processes, 2058 against 1753 in a third); alone 1.11x at one row but
+# 0.96x at four (its 4-row tile), so for one row only (EAGLEKV_FUSE_MLP_MAX_ROWS=4 takes up
+# to four). **Off by default** (EAGLEKV_FUSE_MLP=1 turns it on): the atomics' order varies
+# and a one-row forward no longer sums as a verify's rows do, so in fp32 a speculative
+# engine's greedy tokens can part from plain decoding's at a near tie (5 of 28 GPU tests of
+# test_spec_gpu.py failed that way on an H100 with both fusions on, 2026-12-07; the gemv
+# kernel it replaces sums each row the same way at any row count). Read when a model is built
+# (it keeps down by rows and the accumulators) and at each forward (graphs capture it).
+FUSE_MLP = os.environ.get("EAGLEKV_FUSE_MLP", "0") == "1"
 FUSE_MLP_MAX_ROWS = int(os.environ.get("EAGLEKV_FUSE_MLP_MAX_ROWS", "1"))
 MLP_MAX_ROWS = 4                    # rows of the accumulators (the kernels' bound)
 MLP_MAX_WEIGHT_BYTES = 16 << 20     # gate_up + down; larger MLPs stream at the bandwidth
@@ -407,9 +409,9 @@ def fused_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
 # become one. Unlike `gemv_merge` (each of o's ~144 programs merged every head: 0.81x on the
 # H200), each head is merged by the 9 programs that use it. Measured on an H100 on 2026-12-07
 # (as FUSE_MLP above): plain decoding 1.04x / 1.03x at batch 1 / 4 alone, 1.17x / 1.02x with
-# the fused MLP; on by default (EAGLEKV_MERGE_O=0 turns it off). Read when a model is built
-# (the accumulators) and at each forward (graphs capture it).
-MERGE_O = os.environ.get("EAGLEKV_MERGE_O", "1") != "0"
+# the fused MLP. Off by default for the same reason as FUSE_MLP (EAGLEKV_MERGE_O=1 turns it
+# on). Read when a model is built (the accumulators) and at each forward (graphs capture it).
+MERGE_O = os.environ.get("EAGLEKV_MERGE_O", "0") == "1"
 MERGE_O_MAX_WEIGHT_BYTES = 8 << 20   # o of SmolLM2 is 0.66 MB; an 8B's 32 MB streams as it is
 
 
