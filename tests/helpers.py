@@ -171,6 +171,8 @@ def make_predictable(engine, o_scale: float = 0.1, hidden_mix: float = 0.005) ->
     for layer in m.layers:
         layer.o.mul_(o_scale)
         layer.down.zero_()
+        if getattr(layer, "down_rows", None) is not None:   # the fused MLP's copy of down
+            layer.down_rows.zero_()
     worker = getattr(engine, "worker", None)
     if worker is None:
         return

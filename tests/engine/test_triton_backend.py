@@ -162,6 +162,32 @@ def test_fused_mlp_and_merge_o_equal_torch(tiny_dir, reference, monkeypatch, kin
         assert ({3} if kind == "plain" else {4}) <= set(launches["mo"])
 
 
+def test_fused_mlp_follows_weights_changed_in_place(tiny_dir, monkeypatch):
+    """`make_predictable` (the tests' near-bigram target) zeroes each layer's down in place
+    after the build; the fused MLP reads down's row copy (`down_rows`), which must change
+    with it: greedy output equals the torch backend's on the same predictable target. (With
+    the copy left stale, 5 GPU tests of test_spec_gpu.py parted from plain, 2026-12-07.)"""
+    from helpers import make_predictable
+    from eaglekv.kernels import fused
+    ref_engine = tiny_engine(tiny_dir, max_running_requests=1)
+    make_predictable(ref_engine)
+    ref = [o.token_ids for o in ref_engine.generate(PROMPTS[:1], SP)]
+    monkeypatch.setattr(fused, "FUSE_GEMV", True)            # the CPU interpreter too
+    monkeypatch.setattr(fused, "FUSE_MLP", True)
+    monkeypatch.setattr(fused, "MERGE_O", True)
+    engine = tiny_engine(tiny_dir, device=DEV, max_running_requests=1, attention_backend="triton")
+    model = engine.model
+    if not ON_GPU:                          # what a CUDA build with the flags makes
+        for layer in model.layers:
+            layer.qkv, layer.gate_up, layer.o = map(fused.column_major,
+                                                    (layer.qkv, layer.gate_up, layer.o))
+            layer.down = fused.column_major(layer.down)
+        model.prepare_accumulators()
+    assert all(layer.down_rows.data_ptr() != layer.down.data_ptr() for layer in model.layers)
+    make_predictable(engine)
+    assert [o.token_ids for o in engine.generate(PROMPTS[:1], SP)] == ref
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_fusions_leave_biased_or_qk_normed_layers_alone(tmp_path, monkeypatch, arch):
     """A model whose layers take another qkv path (Qwen2's q/k/v biases, Qwen3's q/k norms,
