@@ -8,20 +8,13 @@ arguments name the value. Runs on the GPU when there is one, else under TRITON_I
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"   # before triton and the kernel module are imported
-pytest.importorskip("triton")
+from triton_here import DEV, GPU_MARK, ON_GPU  # noqa: I001  (before the kernel modules)
 
 from eaglekv.kernels import fused  # noqa: E402
 
-DEV = "cuda" if ON_GPU else "cpu"
-pytestmark = pytest.mark.gpu if ON_GPU else []
+pytestmark = GPU_MARK
 EPS = 1e-5
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
