@@ -18,6 +18,8 @@
 #                                 # adaptive default, batch 1-64, HF, the 8B row, the floor
 #   bench/h200_issue13.sh omerge  # the merge in the o projection, the parts, the 8B variants
 #   bench/h200_issue13.sh rnd     # no staging: the same on a random SmolLM2-shaped model
+#   bench/h200_issue13.sh fused   # no staging: the GPU suite with the opt-in fusions on, then
+#                                 # plain against them (rnd), the one-row gemv form, explore_mlp
 #   bench/h200_issue13.sh gate    # the adaptive default (S7 behind a gate) vs before it: held-out
 #                                 # prompts at batch 1 and 4, the bench prompt at 1-64
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
@@ -198,6 +200,21 @@ PY
       --llama8b --out "$OUT/l8b" 2>&1 | tail -c 20000 > "$OUT/l8b/bench.log"
     tail -4 "$OUT/l8b/bench.log"
     bash bench/triton_cache_regs.sh > "$OUT/cache_regs.txt" 2>&1
+    ;;
+  fused)
+    # 2026-12-07 (twenty-first session, for the next loan; no staging): the GPU suite's graph,
+    # speculative and fault files with the two opt-in fusions on (the MLP in one launch, merge
+    # + o in one: 5 spec tests failed with them on an H100 before make_predictable's stale
+    # copy of down was fixed), then plain vs them on the random model (`rnd`), with the
+    # one-row gemv form and the fused MLP's parts
+    EAGLEKV_FUSE_MLP=1 EAGLEKV_MERGE_O=1 PYTHONPATH=.:.carry/pylib timeout "${TESTS_TIMEOUT:-300}" \
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests/speculative/test_spec_gpu.py \
+      tests/engine/test_cuda_graph.py tests/reliability/test_fault_graphs.py \
+      tests/engine/test_triton_backend.py tests/kernels/test_fused_mlp.py \
+      > "$OUT/gpu_tests_fused_on.log" 2>&1
+    tail -3 "$OUT/gpu_tests_fused_on.log"
+    EXPLORE_MLP=1 MODES=${MODES:-plain,plain_fuse,plain_fuse_r2d,plain_r2d,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_fuse} \
+      BATCHES=${BATCHES:-1,4,16,64} TESTS_TIMEOUT=1 SKIP_8B=${SKIP_8B:-1} "$0" rnd
     ;;
   gate)
     # 2026-12-06 (sixteenth session): the adaptive default with the 7-step chain behind its

@@ -255,6 +255,11 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
               # off until measured), alone and with the fused MLP (4 launches a layer)
               "plain_mo": None, "plain_fmlp_mo": None, "plain_fmlp4_mo": None,
               "plain_fmlp16_mo": None, "plain_fmlp8w8_mo": None, "plain_fmlp16w8_mo": None,
+              # both fusions as `EAGLEKV_FUSE_MLP=1 EAGLEKV_MERGE_O=1` set them (`_fuse`: the
+              # MLP fusion for one row, merge + o up to four), what a flipped default would be
+              "plain_fuse": None, "plain_fuse_r2d": None,
+              "eagle3_chain_S7K1N8_fuse": MODES["eagle3_chain_S7K1N8"],
+              "adaptive_eagle3_fuse": MODES["adaptive_eagle3"],
               "plain_k64_bk2k_fmlp_mo": None, "adaptive_eagle3_fmlp_mo": MODES["adaptive_eagle3"],
               "eagle3_chain_S3K1N4_fmlp_mo": MODES["eagle3_chain_S3K1N4"],
               # both fusions off (`_nofuse`: the default; they were on by default for part of
@@ -286,7 +291,7 @@ VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8"
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
             "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
             "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg", "_dpf",
-            "_bk2k", "_fmlp", "_fmlp4", "_fmlp16", "_mo", "_nofuse", "_r3d", "_r2d")
+            "_bk2k", "_fmlp", "_fmlp4", "_fmlp16", "_mo", "_nofuse", "_r3d", "_r2d", "_fuse")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -381,9 +386,9 @@ def make_engine(args, mode: str, max_batch: int) -> Engine:
             fused_triton.GEMV_CONFIG["block_k"] = 2048    # the kernel reads before its wait
     undo = []
     fmlp = [p for p in parts if p.startswith("fmlp")]
-    if "nofuse" in parts:        # the fused MLP and the merge + o launch off (the way before)
+    if "nofuse" in parts or "fuse" in parts:   # the fused MLP and the merge + o launch
         undo += [(fused, "FUSE_MLP", fused.FUSE_MLP), (fused, "MERGE_O", fused.MERGE_O)]
-        fused.FUSE_MLP = fused.MERGE_O = False
+        fused.FUSE_MLP = fused.MERGE_O = "fuse" in parts
     if fmlp:                     # the MLP in one launch up to 4 rows; fmlpN: N columns at M = 1
         from eaglekv.kernels import fused_triton
         undo += [(fused, "FUSE_MLP", fused.FUSE_MLP),
@@ -1470,6 +1475,7 @@ def chained_vs_1step(result: dict) -> None:
                               ("mlp_one_launch_vs_two", "_fmlp", True),
                               ("merge_and_o_one_launch_vs_two", "_mo", True),
                               ("fused_mlp_and_merge_o_vs_off", "_nofuse", False),
+                              ("fused_mlp_and_merge_o_vs_off", "_fuse", True),
                               ("one_row_2d_vs_3d", "_r2d", True),
                               ("greedy_pick_split_vs_one_program", "_gp1", False)):
         pairs = {m.removesuffix(suffix): m for m in modes
