@@ -110,7 +110,9 @@ class DecoderLayer:
         self.q_norm, self.k_norm = f.get("q_norm"), f.get("k_norm")
         self.gate_up, self.down = f["gate_up"], f["down"]
         # the fused MLP's and merge + o's (`LlamaForCausalLM.prepare_accumulators`): down by
-        # rows (I, H), this layer's fp32 accumulators and the next layer's, which it clears
+        # rows (I, H), this layer's fp32 accumulators and the next layer's, which it clears.
+        # down_rows is a copy where down is column-major: weights are read-only after the
+        # build (a test helper that zeroes down in place must zero down_rows too)
         self.down_rows = self.mlp_acc = self.mlp_zero = self.o_acc = self.o_zero = None
 
     @property
