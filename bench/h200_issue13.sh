@@ -213,7 +213,7 @@ PY
       tests/engine/test_triton_backend.py tests/kernels/test_fused_mlp.py \
       > "$OUT/gpu_tests_fused_on.log" 2>&1
     tail -3 "$OUT/gpu_tests_fused_on.log"
-    EXPLORE_MLP=1 MODES=${MODES:-plain,plain_fuse,plain_fuse_r2d,plain_r2d,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_fuse} \
+    EXPLORE_MLP=1 MODES=${MODES:-plain,plain_fuse,plain_fuse_r2d,plain_r2d,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_fuse,eagle3_chain_S7K1N8_fuse_mo8} \
       BATCHES=${BATCHES:-1,4,16,64} TESTS_TIMEOUT=1 SKIP_8B=${SKIP_8B:-1} "$0" rnd
     ;;
   gate)

@@ -260,6 +260,10 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
               "plain_fuse": None, "plain_fuse_r2d": None,
               "eagle3_chain_S7K1N8_fuse": MODES["eagle3_chain_S7K1N8"],
               "adaptive_eagle3_fuse": MODES["adaptive_eagle3"],
+              # and merge + o up to 8 rows (`_mo8`: S5 / S7 verifies at batch 1 too)
+              "eagle3_chain_S7K1N8_fuse_mo8": MODES["eagle3_chain_S7K1N8"],
+              "eagle3_chain_S5K1N6_fuse_mo8": MODES["eagle3_chain_S5K1N6"],
+              "adaptive_eagle3_fuse_mo8": MODES["adaptive_eagle3"],
               "plain_k64_bk2k_fmlp_mo": None, "adaptive_eagle3_fmlp_mo": MODES["adaptive_eagle3"],
               "eagle3_chain_S3K1N4_fmlp_mo": MODES["eagle3_chain_S3K1N4"],
               # both fusions off (`_nofuse`: the default; they were on by default for part of
@@ -291,13 +295,15 @@ VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8"
             "_fmerge", "_pdl", "_nopdl", "_k64", "_pg", "_gt1k", "_xpdl", "_grope", "_sp1",
             "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
             "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg", "_dpf",
-            "_bk2k", "_fmlp", "_fmlp4", "_fmlp16", "_mo", "_nofuse", "_r3d", "_r2d", "_fuse")
+            "_bk2k", "_fmlp", "_fmlp4", "_fmlp16", "_mo", "_nofuse", "_r3d", "_r2d", "_fuse",
+            "_mo8")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
                    "cg": ("eaglekv.cuda_graph", "CHAIN_GRAPH_MAX_BATCH", 4),
                    "dpf": ("eaglekv.kernels.attention_triton", "DECODE_PREFETCH", True),
                    "mo": ("eaglekv.kernels.fused", "MERGE_O", True),
+                   "mo8": ("eaglekv.kernels.fused", "MERGE_O_MAX_ROWS", 8),
                    # the gemv's one-row products in the weight tile's layout (`_r2d`, off
                    # until timed) or in the 3-D form (`_r3d`, the default)
                    "r2d": ("eaglekv.kernels.fused_triton", "GEMV_ONE_ROW_2D", True),

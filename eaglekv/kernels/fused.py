@@ -84,15 +84,28 @@ def _add_rms_norm_ops(x, residual, weight, eps):
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float, *, checked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: (T, H) (residual None: a plain RMSNorm, new_residual is x itself); weight
-    (H,). Returns (normed, new_residual), both (T, H) in x's dtype. Triton: H <= 8192
+    (H,). Returns (normed, new_residual), both (T, H) in the residual's dtype (x's without
+    one). x may be fp32 beside a residual of another dtype (the fused kernels' accumulator):
+    the sum is rounded to the residual's dtype once. Triton: H <= 8192
     (`fused_triton.MAX_HIDDEN`), any strides. `checked=False` skips the argument checks of
     the torch path (the model's hot path on CPU, whose shapes hold by construction)."""
+    mixed = residual is not None and x.dtype != residual.dtype
     if not use_triton(x):
+        if mixed:
+            return _add_rms_norm_ops((x + residual.float()).to(residual.dtype), None, weight,
+                                     eps)
         if not checked:
             return _add_rms_norm_ops(x, residual, weight, eps)
         return add_rms_norm_torch(x, residual, weight, eps)
     return _triton_impl().add_rms_norm_triton(x, residual, weight, float(eps),
-                                              _check_add_rms_norm)
+                                              _check_mixed_add_rms_norm if mixed
+                                              else _check_add_rms_norm)
+
+
+def _check_mixed_add_rms_norm(x, residual, weight) -> None:
+    """An fp32 x (the fused kernels' accumulator) beside a residual of the model's dtype."""
+    _expect("add_rms_norm", "x", x, tuple(residual.shape), (torch.float32,), residual.device)
+    _check_add_rms_norm(residual, residual, weight)
 
 
 # ---------------------------------------------------------------------------- silu_and_mul
@@ -172,10 +185,11 @@ def norm_matmul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     if use_gemv(x, w, fused=True):
         return _triton_impl().gemv_triton(x, residual, norm_weight, float(eps), w, silu_mul,
                                           _check_gemv)
-    if residual is not None and x.dtype != residual.dtype:   # the fused MLP's fp32 output
-        x, residual = (x + residual.float()).to(residual.dtype), None    # s = round(x + r)
-    if (FUSE_NORM_MATMUL and use_triton(x) and x.shape[0] <= NORM_MATMUL_MAX_ROWS
-            and w.stride(-1) == 1):
+    mixed = residual is not None and x.dtype != residual.dtype   # the fused kernels' fp32 x
+    if mixed and not use_triton(x):
+        x, residual, mixed = (x + residual.float()).to(residual.dtype), None, False
+    if (FUSE_NORM_MATMUL and use_triton(x) and not mixed
+            and x.shape[0] <= NORM_MATMUL_MAX_ROWS and w.stride(-1) == 1):
         return _triton_impl().norm_matmul_triton(x, residual, norm_weight, float(eps), w,
                                                  silu_mul, _check_norm_matmul)
     h, new_residual = add_rms_norm(x, residual, norm_weight, eps, checked=False)
@@ -337,7 +351,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # when a model is built (it keeps down by rows and the accumulators) and at each forward.
 FUSE_MLP = os.environ.get("EAGLEKV_FUSE_MLP", "0") == "1"
 FUSE_MLP_MAX_ROWS = int(os.environ.get("EAGLEKV_FUSE_MLP_MAX_ROWS", "1"))
-MLP_MAX_ROWS = 4                    # rows of the accumulators (the kernels' bound)
+MLP_KERNEL_MAX_ROWS = 4             # the fused MLP kernel's register tile
+MLP_MAX_ROWS = 8                    # rows of the accumulators (merge + o takes up to 8)
 MLP_MAX_WEIGHT_BYTES = 16 << 20     # gate_up + down; larger MLPs stream at the bandwidth
 
 
@@ -347,7 +362,7 @@ def use_fused_mlp(x: torch.Tensor, w: torch.Tensor, wd: torch.Tensor | None) -> 
     gate_up a fused gemv matmul (`use_gemv`), the hidden size in one tile and the weights
     small enough."""
     return (FUSE_MLP and wd is not None and x.dim() == 2
-            and 0 < x.shape[0] <= min(FUSE_MLP_MAX_ROWS, MLP_MAX_ROWS)
+            and 0 < x.shape[0] <= min(FUSE_MLP_MAX_ROWS, MLP_KERNEL_MAX_ROWS)
             and use_gemv(x, w, fused=True)
             and x.shape[1] <= _triton_impl().MLP_MAX_HIDDEN
             and (w.numel() + wd.numel()) * w.element_size() <= MLP_MAX_WEIGHT_BYTES)
@@ -361,9 +376,10 @@ def _check_fused_mlp(x, residual, norm_weight, w, wd, acc, zero) -> None:
     _expect(op, "wd", wd, (I, K), (w.dtype,), x.device)
     _expect(op, "acc", acc, (None, K), (torch.float32,), x.device)
     _expect(op, "zero", zero, (None, K), (torch.float32,), x.device)
-    if M > MLP_MAX_ROWS or acc.shape[0] < M:
-        raise ValueError(f"{op}: x has {M} rows; at most {min(MLP_MAX_ROWS, acc.shape[0])} "
-                         f"(MLP_MAX_ROWS, the accumulator's rows)")
+    if M > MLP_KERNEL_MAX_ROWS or acc.shape[0] < M:
+        raise ValueError(f"{op}: x has {M} rows; at most "
+                         f"{min(MLP_KERNEL_MAX_ROWS, acc.shape[0])} (the kernel's tile, the "
+                         f"accumulator's rows)")
     if not (acc.is_contiguous() and zero.is_contiguous()):
         raise ValueError(f"{op}: acc and zero must be contiguous")
     if acc.data_ptr() == zero.data_ptr():
@@ -412,18 +428,30 @@ def fused_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
 # the fused MLP. Off by default for the same reason as FUSE_MLP (EAGLEKV_MERGE_O=1 turns it
 # on). Read when a model is built (the accumulators) and at each forward (graphs capture it).
 MERGE_O = os.environ.get("EAGLEKV_MERGE_O", "0") == "1"
+# forwards of at most this many tokens (<= MLP_MAX_ROWS); 8 takes S5 / S7 verifies at batch 1
+# too, whose gate_up (cuBLAS from 5 rows) then follows the Triton add + RMSNorm of the fp32
+# x (built 2026-12-07 without a GPU: the bench's `_mo8` modes; EAGLEKV_MERGE_O_MAX_ROWS=8)
+MERGE_O_MAX_ROWS = int(os.environ.get("EAGLEKV_MERGE_O_MAX_ROWS", "4"))
 MERGE_O_MAX_WEIGHT_BYTES = 8 << 20   # o of SmolLM2 is 0.66 MB; an 8B's 32 MB streams as it is
 
 
 def use_merge_o(x: torch.Tensor, w: torch.Tensor, num_heads: int, acc) -> bool:
-    """A decode forward of x (T <= MLP_MAX_ROWS rows) hands its attention (partials or not)
+    """A forward of x (T <= MERGE_O_MAX_ROWS <= MLP_MAX_ROWS rows) hands its attention
     to `merge_o`: on (MERGE_O), the model prepared (`acc` not None), w (K = num_heads *
     head_dim, N) a bare gemv matmul (`use_gemv`) of at most MERGE_O_MAX_WEIGHT_BYTES with a
     head_dim of at most 256."""
-    return (MERGE_O and acc is not None and x.dim() == 2 and 0 < x.shape[0] <= MLP_MAX_ROWS
+    return (MERGE_O and acc is not None and x.dim() == 2
+            and 0 < x.shape[0] <= min(MERGE_O_MAX_ROWS, MLP_MAX_ROWS)
             and w.shape[0] % num_heads == 0 and w.shape[0] // num_heads <= 256
             and w.numel() * w.element_size() <= MERGE_O_MAX_WEIGHT_BYTES
-            and use_gemv(x.new_empty((x.shape[0], w.shape[0])), w))
+            and use_gemv(x.new_empty((1, w.shape[0])), w))       # (w's layout and bounds)
+
+
+def accumulated_rows() -> int:
+    """The most tokens a forward may have for a fusion to add into the accumulators (0:
+    both off): a model clears its first accumulators only for such forwards."""
+    return max(min(FUSE_MLP_MAX_ROWS, MLP_KERNEL_MAX_ROWS) if FUSE_MLP else 0,
+               min(MERGE_O_MAX_ROWS, MLP_MAX_ROWS) if MERGE_O else 0)
 
 
 def merge_o_torch(attn: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

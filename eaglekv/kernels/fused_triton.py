@@ -102,7 +102,8 @@ def _round(x, dtype: tl.constexpr, BY_HAND: tl.constexpr):
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, x_s0, x_s1, r_s0, r_s1, w_s0,
                          H, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
                          BY_HAND: tl.constexpr):
-    """Program t: row t. s = round(x + r) (as torch's `residual + x`), out = s * rsqrt(mean(s^2)
+    """Program t: row t. s = round(x + r) (as torch's `residual + x`; rounded to the
+    residual's dtype, which an fp32 x beside it does not change), out = s * rsqrt(mean(s^2)
     + eps) * w in fp32, rounded once."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)                                           # (BLOCK,)
@@ -130,8 +131,9 @@ def add_rms_norm_triton(x, residual, weight, eps: float, check):
             raise ValueError(f"add_rms_norm: hidden size {x.shape[1]} > {MAX_HIDDEN}, the "
                              f"largest row the Triton kernel holds")
     T, H = x.shape
-    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
-    new_res = x if residual is None else torch.empty((T, H), dtype=x.dtype, device=x.device)
+    dt = x.dtype if residual is None else residual.dtype  # x may be the fp32 accumulator
+    out = torch.empty((T, H), dtype=dt, device=x.device)
+    new_res = x if residual is None else torch.empty((T, H), dtype=dt, device=x.device)
     if T:
         block = _pow2(H)
         args = (x, r, weight, out, new_res, x.stride(0), x.stride(1), r.stride(0), r.stride(1),

@@ -292,9 +292,10 @@ class LlamaForCausalLM:
         kept by rows (I, H) where the MLP is small enough (`fused.MLP_MAX_WEIGHT_BYTES`), and
         fp32 accumulators of MLP_MAX_ROWS rows, two of each kind taken in turn: layer i adds
         into its kind's buffer i % 2 and clears buffer (i + 1) % 2 for layer i + 1 (its last
-        reader, layer i - 1's, is done by then), and each forward of at most MLP_MAX_ROWS
-        tokens clears both buffers 0 before layer 0. The buffers live as long as the model,
-        so every CUDA graph of it replays over the same ones, one forward at a time."""
+        reader, layer i - 1's, is done by then), and each forward a fusion takes
+        (`fused.accumulated_rows`) clears both buffers 0 before layer 0. The buffers live as
+        long as the model, so every CUDA graph of it replays over the same ones, one forward
+        at a time."""
         if not all(layer.one_kernel_qkv for layer in self.layers):
             self._acc = None     # q/k/v biases or norms: the next layer's add + RMSNorm would
             return               # not take the fp32 x (Qwen2, Qwen3 keep the unfused kernels)
@@ -336,8 +337,7 @@ class LlamaForCausalLM:
         meta = backend.begin_forward(meta)          # the reads of every layer, checked once
         rope = backend.rope_inputs(self.rope, positions)
         x = self.embed_tokens(input_ids)                                 # (T, H)
-        if (self._acc is not None and (fused.FUSE_MLP or fused.MERGE_O)
-                and 0 < x.shape[0] <= fused.MLP_MAX_ROWS):
+        if self._acc is not None and 0 < x.shape[0] <= fused.accumulated_rows():
             self._acc[0].zero_()      # layer 0's accumulators (prepare_accumulators)
         residual, aux = None, []
         for i, layer in enumerate(self.layers):

@@ -112,7 +112,8 @@ def test_qkv_rope_in_one_kernel_equals_torch(tiny_dir, reference, monkeypatch, k
         assert ({3} if kind == "plain" else {4}) <= set(launches)
 
 
-@pytest.mark.parametrize("kind,what", [("plain", "mlp+mo"), ("chain", "mlp+mo")])
+@pytest.mark.parametrize("kind,what", [("plain", "mlp+mo"), ("chain", "mlp+mo"),
+                                       ("chain5", "mo8")])
 def test_fused_mlp_and_merge_o_equal_torch(tiny_dir, reference, monkeypatch, kind, what):
     """With the MLP in one launch (`EAGLEKV_FUSE_MLP=1`: down split into an fp32 accumulator
     the next layer reads) and / or the decode's merge with the o projection in one launch
@@ -126,8 +127,10 @@ def test_fused_mlp_and_merge_o_equal_torch(tiny_dir, reference, monkeypatch, kin
     monkeypatch.setattr(fused, "FUSE_MLP", "mlp" in what)
     monkeypatch.setattr(fused, "MERGE_O", "mo" in what)
     # plain: the fused MLP at 3 rows too; the chain: at one row, the default (its prefill of
-    # 3 tokens and verifies of 4 run the MLP unfused on merge_o's fp32 output)
+    # 3 tokens and verifies of 4 run the MLP unfused on merge_o's fp32 output); chain5:
+    # merge + o up to 8 rows (its verifies of 6: the Triton add + RMSNorm, then cuBLAS)
     monkeypatch.setattr(fused, "FUSE_MLP_MAX_ROWS", 4 if kind == "plain" else 1)
+    monkeypatch.setattr(fused, "MERGE_O_MAX_ROWS", 8 if what == "mo8" else 4)
     launches = {"mlp": [], "mo": []}
     for name, fn in (("mlp", "mlp_triton"), ("mo", "merge_o_triton")):
         real = getattr(fused_triton, fn)
@@ -135,8 +138,9 @@ def test_fused_mlp_and_merge_o_equal_torch(tiny_dir, reference, monkeypatch, kin
                             launches[_n].append(x.shape[0]) or _r(x, *a))
     opts = dict(device=DEV, max_running_requests=4 if kind == "plain" else 1,
                 attention_backend="triton")
-    if kind == "chain":
-        opts["speculative"] = spec("eagle", 3, 1, 4)
+    if kind.startswith("chain"):
+        opts["speculative"] = spec("eagle", 3, 1, 4) if kind == "chain" else spec("eagle", 5,
+                                                                                 1, 6)
     engine = tiny_engine(tiny_dir, **opts)
     engine.backend.fixed_decode_splits = True      # split-K on the CPU too (CUDA's default)
     model = engine.model
@@ -159,7 +163,7 @@ def test_fused_mlp_and_merge_o_equal_torch(tiny_dir, reference, monkeypatch, kin
     if "mlp" in what and not ON_GPU:
         assert ({3} <= set(launches["mlp"])) if kind == "plain" else not launches["mlp"]
     if "mo" in what and not ON_GPU:
-        assert ({3} if kind == "plain" else {4}) <= set(launches["mo"])
+        assert {"plain": {3}, "chain": {4}, "chain5": {6}}[kind] <= set(launches["mo"])
 
 
 def test_fused_mlp_follows_weights_changed_in_place(tiny_dir, monkeypatch):

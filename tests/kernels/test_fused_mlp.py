@@ -99,7 +99,7 @@ def test_accumulates_and_the_torch_path_matches(monkeypatch):
         assert torch.equal(y2, ref) and torch.all(zero2 == 0)
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "gemv_rope"])
+@pytest.mark.parametrize("kernel", ["gemv", "gemv_rope", "add_rms_norm"])
 def test_next_layer_takes_the_fp32_accumulator(kernel, monkeypatch):
     """The next layer's add + RMSNorm + qkv (the gemv, or the gemv with RoPE and the K/V
     store) reads the fp32 x beside a bf16 residual: s = round_bf16(x + r), the same as the
@@ -115,6 +115,10 @@ def test_next_layer_takes_the_fp32_accumulator(kernel, monkeypatch):
     if kernel == "gemv":
         y, new_r = fused.norm_matmul(x32, r, nw, EPS, w)
         y2, _ = fused.norm_matmul(s, None, nw, EPS, w)
+        assert y.dtype == dtype and torch.equal(y, y2)
+    elif kernel == "add_rms_norm":       # before cuBLAS's gate_up (merge + o up to 8 rows)
+        y, new_r = fused.add_rms_norm(x32, r, nw, EPS)
+        y2, _ = fused.add_rms_norm(s, None, nw, EPS)
         assert y.dtype == dtype and torch.equal(y, y2)
     else:
         cos, sin = randn(8, D // 2, seed=9), randn(8, D // 2, seed=10)
