@@ -266,8 +266,8 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
               "adaptive_eagle3_fuse_mo8": MODES["adaptive_eagle3"],
               "plain_k64_bk2k_fmlp_mo": None, "adaptive_eagle3_fmlp_mo": MODES["adaptive_eagle3"],
               "eagle3_chain_S3K1N4_fmlp_mo": MODES["eagle3_chain_S3K1N4"],
-              # both fusions off (`_nofuse`: the default; they were on by default for part of
-              # 2026-12-07 until the GPU lossless tests failed with them)
+              # both fusions off (`_nofuse`: the default until 2026-12-07, twenty-second
+              # session, when the GPU suite passed with them on)
               "plain_nofuse": None, "eagle3_chain_S3K1N4_nofuse": MODES["eagle3_chain_S3K1N4"],
               # the gemv's one-row products in the weight tile's layout (`_r2d`), with and
               # without the fusions; `_r3d`: the 3-D form (the default)
@@ -279,7 +279,11 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
               "eagle3_chain_S3K1N4_fmlp": MODES["eagle3_chain_S3K1N4"],
               "adaptive_eagle3_fmlp": MODES["adaptive_eagle3"],
               "adaptive_eagle3_dpf": MODES["adaptive_eagle3"],
-              "adaptive_eagle3_omerge_k64_cg_dpf": MODES["adaptive_eagle3"]})
+              "adaptive_eagle3_omerge_k64_cg_dpf": MODES["adaptive_eagle3"],
+              # speculative chains of 2 / 3 times the default steps (`_sx2`, `_sx3`:
+              # eagle_worker.SPEC_CHAIN_X): the host's gap between chains paid less often
+              **{f"{m}_{x}": MODES[m] for m in ("eagle3_chain_S3K1N4", "eagle3_chain_S7K1N8",
+                                                "adaptive_eagle3") for x in ("sx2", "sx3")}})
 
 # adaptive with its cost cells measured as each step ran (`_rawcost`: adaptive_worker.
 # CHAINED_COSTS off, as shipped before 2026-12-06 evening) or as chains run (`_ccost`: on, the
@@ -296,7 +300,7 @@ VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8"
             "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
             "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg", "_dpf",
             "_bk2k", "_fmlp", "_fmlp4", "_fmlp16", "_mo", "_nofuse", "_r3d", "_r2d", "_fuse",
-            "_mo8")
+            "_mo8", "_sx2", "_sx3")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -304,6 +308,8 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "dpf": ("eaglekv.kernels.attention_triton", "DECODE_PREFETCH", True),
                    "mo": ("eaglekv.kernels.fused", "MERGE_O", True),
                    "mo8": ("eaglekv.kernels.fused", "MERGE_O_MAX_ROWS", 8),
+                   "sx2": ("eaglekv.speculative.eagle_worker", "SPEC_CHAIN_X", 2.0),
+                   "sx3": ("eaglekv.speculative.eagle_worker", "SPEC_CHAIN_X", 3.0),
                    # the gemv's one-row products in the weight tile's layout (`_r2d`, off
                    # until timed) or in the 3-D form (`_r3d`, the default)
                    "r2d": ("eaglekv.kernels.fused_triton", "GEMV_ONE_ROW_2D", True),

@@ -343,13 +343,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # the merge + o launch below, plain decoding at batch 1 ran 1.17x (2074 / 2087 tok/s against
 # 1769 / 1784 in two processes, 2058 against 1753 in a third); alone 1.11x at one row but
 # 0.96x at four (its 4-row tile), so for one row only (EAGLEKV_FUSE_MLP_MAX_ROWS=4 takes up
-# to four). **Off by default** (EAGLEKV_FUSE_MLP=1 turns it on) until the GPU suite passes
-# with it: with both fusions on, 5 of 28 GPU tests of test_spec_gpu.py failed on an H100
-# (2026-12-07), since traced to a test helper that zeroed down in place but not the MLP's
-# row copy of it (fixed, reproduced on the CPU), not re-run on a GPU. The atomics' order
-# varies, so fp32 sums are not bit-stable from run to run (as cuBLAS's split-K is not). Read
-# when a model is built (it keeps down by rows and the accumulators) and at each forward.
-FUSE_MLP = os.environ.get("EAGLEKV_FUSE_MLP", "0") == "1"
+# to four). **On by default** since 2026-12-07 (twenty-second session; EAGLEKV_FUSE_MLP=0
+# turns it off): with both fusions on, the GPU suite's speculative, graph, fault and fusion
+# files passed on an H100 (166 tests; the 5 spec failures of the session before were a test
+# helper's stale copy of down), and plain batch 1 ran 1.18x (2080 against 1767 tok/s, random
+# model, gpu_bench_h100_20261207_fused_on.json). The atomics' order varies, so fp32 sums are
+# not bit-stable from run to run (as cuBLAS's split-K is not). Read when a model is built
+# (it keeps down by rows and the accumulators) and at each forward.
+FUSE_MLP = os.environ.get("EAGLEKV_FUSE_MLP", "1") == "1"
 FUSE_MLP_MAX_ROWS = int(os.environ.get("EAGLEKV_FUSE_MLP_MAX_ROWS", "1"))
 MLP_KERNEL_MAX_ROWS = 4             # the fused MLP kernel's register tile
 MLP_MAX_ROWS = 8                    # rows of the accumulators (merge + o takes up to 8)
@@ -425,9 +426,9 @@ def fused_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
 # become one. Unlike `gemv_merge` (each of o's ~144 programs merged every head: 0.81x on the
 # H200), each head is merged by the 9 programs that use it. Measured on an H100 on 2026-12-07
 # (as FUSE_MLP above): plain decoding 1.04x / 1.03x at batch 1 / 4 alone, 1.17x / 1.02x with
-# the fused MLP. Off by default for the same reason as FUSE_MLP (EAGLEKV_MERGE_O=1 turns it
-# on). Read when a model is built (the accumulators) and at each forward (graphs capture it).
-MERGE_O = os.environ.get("EAGLEKV_MERGE_O", "0") == "1"
+# the fused MLP. On by default with FUSE_MLP (EAGLEKV_MERGE_O=0 turns it off). Read when a
+# model is built (the accumulators) and at each forward (graphs capture it).
+MERGE_O = os.environ.get("EAGLEKV_MERGE_O", "1") == "1"
 # forwards of at most this many tokens (<= MLP_MAX_ROWS); 8 takes S5 / S7 verifies at batch 1
 # too, whose gate_up (cuBLAS from 5 rows) then follows the Triton add + RMSNorm of the fp32
 # x (built 2026-12-07 without a GPU: the bench's `_mo8` modes; EAGLEKV_MERGE_O_MAX_ROWS=8)

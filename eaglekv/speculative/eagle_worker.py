@@ -15,6 +15,7 @@ Slot ids are shared: one slot addresses the target's and the draft's K/V of the 
 from __future__ import annotations
 
 import math
+import os
 import time
 import warnings
 from collections import Counter
@@ -35,11 +36,29 @@ from eaglekv.speculative.slots import DraftSlots
 from eaglekv.speculative.tree import verify_tree
 
 
-def spec_chain_steps(decode_steps: int, num_steps: int) -> int:
+# Speculative chains of SPEC_CHAIN_X times the steps that make a plain chain's tokens at full
+# acceptance (`spec_chain_steps`). Why it may pay: the host's work between two chains (the
+# sync, the results, the next plan, its slots and copies) leaves the GPU idle for a time a
+# chain, not a token; a plain chain of 32 tokens pays it once, a chain of S7 steps (4 at
+# full acceptance) about once every 23 tokens at the shipped head's accept 5.8 (an H100 on
+# 2026-12-07, eagle3_chain_S7K1N8 at batch 1: 2.1 ms idle in a 7.5 ms chain, 1.0 ms of it in
+# gaps of over 100 us). The cost: a request that stops early (EOS) runs on to the chain's
+# end, and newcomers wait a longer chain. 1 (the default) until timed; the bench's `_sx2`,
+# `_sx3` modes; EAGLEKV_SPEC_CHAIN_X sets it. Read when a speculative runner is built.
+SPEC_CHAIN_X = float(os.environ.get("EAGLEKV_SPEC_CHAIN_X", "1"))
+
+
+def spec_chain_steps(decode_steps: int, num_steps: int, x: float | None = None) -> int:
     """Speculative steps a greedy engine step chains: a chain of `decode_steps` plain tokens
     covers about ceil(decode_steps / (num_steps + 1)) speculative steps at full acceptance
-    (32 tokens, S = 5: 6 steps); 1 where plain decoding does not chain (CPU)."""
-    return max(1, -(-decode_steps // (num_steps + 1)))
+    (32 tokens, S = 5: 6 steps), times `x` (default SPEC_CHAIN_X) rounded up; 1 where plain
+    decoding does not chain (CPU: decode_steps 1)."""
+    x = SPEC_CHAIN_X if x is None else x
+    if x <= 0:
+        raise ValueError(f"spec_chain_steps: x = {x}; must be > 0 (EAGLEKV_SPEC_CHAIN_X)")
+    if decode_steps <= 1:
+        return 1
+    return max(1, math.ceil(x * math.ceil(decode_steps / (num_steps + 1)) - 1e-9))
 
 
 class EagleWorker:

@@ -356,6 +356,7 @@ def test_decode_merge_in_the_o_projection_equals_torch(tiny_dir, reference, monk
     from eaglekv.kernels import attention_triton, fused, fused_triton
     monkeypatch.setattr(fused, "FUSE_GEMV", True)            # the CPU interpreter too
     monkeypatch.setattr(fused, "GEMV_MERGE", True)
+    monkeypatch.setattr(fused, "MERGE_O", False)              # (merge + o would take it first)
     merged, separate = [], []
     real_gm, real_mp = fused_triton.gemv_merge_triton, attention_triton.merge_decode_partials
     monkeypatch.setattr(fused_triton, "gemv_merge_triton",

@@ -316,3 +316,35 @@ def test_chain_verify_through_the_decode_kernel(tiny_dir, monkeypatch, path):
     w.step_graphs = SpecStepGraphs(w, 4, progress=False, capture=False)
     engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert routes and not any(c or d for c, d in routes)
+
+
+def test_spec_chain_x_scales_the_chains_and_stays_lossless(tiny_dir, monkeypatch):
+    """`eagle_worker.SPEC_CHAIN_X` (EAGLEKV_SPEC_CHAIN_X) multiplies the steps a speculative
+    chain replays (ceil(8 / 4) = 2 for S3 at num_scheduler_steps 8; x 3: 6), for the fixed
+    shape and for every shape of the adaptive runner; a chain of 6 whole steps gives plain
+    decoding's tokens with budgets that run out inside it; x <= 0 is refused by name."""
+    from eaglekv.speculative import eagle_worker
+    from eaglekv.speculative.eagle_worker import spec_chain_steps
+    assert [spec_chain_steps(8, 3, x) for x in (1.0, 1.5, 2.0, 3.0)] == [2, 3, 4, 6]
+    assert spec_chain_steps(32, 7, 2.0) == 8 and spec_chain_steps(1, 7, 3.0) == 1   # CPU: 1
+    with pytest.raises(ValueError, match="x = 0.0.*EAGLEKV_SPEC_CHAIN_X"):
+        spec_chain_steps(8, 3, 0.0)
+    monkeypatch.setattr(eagle_worker, "SPEC_CHAIN_X", 3.0)
+    fixed = tiny_engine(tiny_dir, max_running_requests=2, num_scheduler_steps=8,
+                        speculative=spec("eagle", 3, 1, 4))
+    assert fixed.runner.chain_steps == 6
+    adaptive = tiny_engine(tiny_dir, max_running_requests=2, num_scheduler_steps=8,
+                           speculative=dict(algorithm="eagle", draft_model="random",
+                                            adaptive=True, shapes=((3, 1, 4), (1, 1, 2))))
+    assert sorted(w.chain_steps for w in adaptive.runner.workers.values()) == [6, 12]
+
+    plain = tiny_engine(tiny_dir, max_running_requests=4)
+    make_predictable(plain)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (13, 9, 5)]
+    reference = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    engine = _chain_engine(tiny_dir, 3, 1, 4, spec_chain_steps(8, 3))
+    assert engine.runner.chain_steps == 6
+    assert [o.token_ids for o in engine.generate(PROMPTS, params)] == reference
+    engine.check_memory()
+    assert engine.allocator.is_full()
+    assert engine.runner.step_graphs.chains > 0
