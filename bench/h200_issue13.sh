@@ -20,6 +20,9 @@
 #   bench/h200_issue13.sh rnd     # no staging: the same on a random SmolLM2-shaped model
 #   bench/h200_issue13.sh fused   # no staging: the GPU suite with the opt-in fusions on, then
 #                                 # plain against them (rnd), the one-row gemv form, explore_mlp
+#   bench/h200_issue13.sh draft   # no staging: the draft's layer in the gemv layout and chains
+#                                 # of twice the steps (random model), then their GPU tests
+#   bench/h200_issue13.sh draftreal  # the same on the real model and head (staged)
 #   bench/h200_issue13.sh gate    # the adaptive default (S7 behind a gate) vs before it: held-out
 #                                 # prompts at batch 1 and 4, the bench prompt at 1-64
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
@@ -148,6 +151,8 @@ PY
       REPEATS=${REPEATS:-3} LLAMA8B=${LLAMA8B:-" "} FLOOR=${FLOOR:-0} "$0" bench
     ;;
   table)
+    # (carry .carry/graph_floor.py with the last staging call, or set FLOOR=0: the bench refuses
+    # a missing floor file before the modes since 2026-12-07)
     # 2026-12-06 (fifteenth session, not yet run): the issue's must-show table in one call for
     # when an H200 is lent (stage the model and the EAGLE-3 head first, as for `ccost`)
     # (the adaptive default since the sixteenth session has the gated S7 chain;
@@ -215,6 +220,21 @@ PY
     tail -3 "$OUT/gpu_tests_fused_on.log"
     EXPLORE_MLP=1 MODES=${MODES:-plain,plain_fuse,plain_fuse_r2d,plain_r2d,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_fuse,eagle3_chain_S7K1N8_fuse_mo8} \
       BATCHES=${BATCHES:-1,4,16,64} TESTS_TIMEOUT=1 SKIP_8B=${SKIP_8B:-1} "$0" rnd
+    ;;
+  draft)
+    # 2026-12-07 (twenty-second session, for the next loan; no staging): the speculative
+    # step's levers built without a GPU on the random model: the draft's layer in the gemv
+    # layout (`_dgemv`), chains of twice the steps (`_sx2`), both; then their GPU tests
+    MODES=${MODES:-plain,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_dgemv,eagle3_chain_S7K1N8_sx2,eagle3_chain_S7K1N8_dgemv_sx2,eagle3_chain_S3K1N4,eagle3_chain_S3K1N4_dgemv} \
+      BATCHES=${BATCHES:-1,4,64} TESTS_TIMEOUT=${TESTS_TIMEOUT:-150} SKIP_8B=${SKIP_8B:-1} \
+      TESTS_FILES="tests/engine/test_triton_backend.py tests/speculative/test_graph_buffers.py" \
+      TESTS_K="draft_layer or chain_x" "$0" rnd
+    ;;
+  draftreal)
+    # the same on the real model and the shipped EAGLE-3 head (stage both first, as `table`)
+    MODES=${MODES:-plain,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_dgemv,eagle3_chain_S7K1N8_sx2,eagle3_chain_S7K1N8_dgemv_sx2,adaptive_eagle3,adaptive_eagle3_dgemv} \
+      BATCHES=${BATCHES:-1,4,64} REPEATS=${REPEATS:-2} FLOOR=0 LLAMA8B=" " \
+      BENCH_TIMEOUT=${BENCH_TIMEOUT:-400} "$0" bench
     ;;
   gate)
     # 2026-12-06 (sixteenth session): the adaptive default with the 7-step chain behind its

@@ -283,7 +283,9 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
               # speculative chains of 2 / 3 times the default steps (`_sx2`, `_sx3`:
               # eagle_worker.SPEC_CHAIN_X): the host's gap between chains paid less often
               **{f"{m}_{x}": MODES[m] for m in ("eagle3_chain_S3K1N4", "eagle3_chain_S7K1N8",
-                                                "adaptive_eagle3") for x in ("sx2", "sx3")}})
+                                                "adaptive_eagle3")
+                 # the draft's layer in the gemv layout (`_dgemv`: fused.DRAFT_GEMV)
+                 for x in ("sx2", "sx3", "dgemv", "dgemv_sx2")}})
 
 # adaptive with its cost cells measured as each step ran (`_rawcost`: adaptive_worker.
 # CHAINED_COSTS off, as shipped before 2026-12-06 evening) or as chains run (`_ccost`: on, the
@@ -300,7 +302,7 @@ VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8"
             "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
             "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg", "_dpf",
             "_bk2k", "_fmlp", "_fmlp4", "_fmlp16", "_mo", "_nofuse", "_r3d", "_r2d", "_fuse",
-            "_mo8", "_sx2", "_sx3")
+            "_mo8", "_sx2", "_sx3", "_dgemv")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -308,6 +310,7 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "dpf": ("eaglekv.kernels.attention_triton", "DECODE_PREFETCH", True),
                    "mo": ("eaglekv.kernels.fused", "MERGE_O", True),
                    "mo8": ("eaglekv.kernels.fused", "MERGE_O_MAX_ROWS", 8),
+                   "dgemv": ("eaglekv.kernels.fused", "DRAFT_GEMV", True),
                    "sx2": ("eaglekv.speculative.eagle_worker", "SPEC_CHAIN_X", 2.0),
                    "sx3": ("eaglekv.speculative.eagle_worker", "SPEC_CHAIN_X", 3.0),
                    # the gemv's one-row products in the weight tile's layout (`_r2d`, off
@@ -1510,6 +1513,10 @@ def main(args) -> None:
     if getattr(args, "prompts", None) is not None:      # a bad file fails before any engine
         from eaglekv.training.eval_draft import load_prompts
         load_prompts(args.prompts)
+    floor = getattr(args, "floor", None)
+    if floor and not os.path.isfile(floor):   # not after the modes' minutes (H100, 2026-12-07)
+        raise ConfigError(f"bench: --floor {floor!r} is not a file (../shared/tools/"
+                          f"graph_floor.py, copied into the tree or a carried folder)")
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda")
               else "cpu", "torch": torch.__version__,

@@ -235,6 +235,15 @@ GEMV_DOT_MAX_ROWS = 0 if os.environ.get("EAGLEKV_GEMV_DOT", "0") == "0" else 16
 FUSE_GEMV: bool | None = {"0": False, "1": True}.get(os.environ.get("EAGLEKV_GEMV", ""))
 
 
+# A draft model's one layer in the gemv layout too (`llama.gemv_layout`): its one-token draft
+# forwards (batch 1 chains: each draft step) then take the gemv kernel and its norm prologue /
+# SiLU epilogue, as the target's decode does, instead of cuBLAS with separate add + RMSNorm and
+# SiLU*mul launches (an H100, 2026-12-07, S7 at batch 1: the draft's 7 forwards a step ran
+# 4 cuBLAS matmuls of ~3.7 us and 2 more launches each). Off until timed (the bench's
+# `_dgemv` modes; EAGLEKV_DRAFT_GEMV=1). Read when a draft model is built, on CUDA.
+DRAFT_GEMV = os.environ.get("EAGLEKV_DRAFT_GEMV", "0") == "1"
+
+
 def gemv_on(device: torch.device, fused: bool = True) -> bool:
     """Whether decode-sized matmuls on `device` go to the gemv kernel (see FUSE_GEMV):
     `fused`, one that carries the norm prologue (qkv, gate_up); else a bare matmul (by

@@ -24,7 +24,9 @@ from __future__ import annotations
 import torch
 
 from eaglekv.errors import ModelLoadError
-from eaglekv.model.llama import DecoderLayer, LlamaForCausalLM, ModelOutput, linear, t
+from eaglekv.kernels import fused
+from eaglekv.model.llama import (DecoderLayer, LlamaForCausalLM, ModelOutput, gemv_layout,
+                                   linear, t)
 from eaglekv.model.rope import RotaryEmbedding
 from eaglekv.model.draft_checkpoint import LAYER, EagleDraftConfig, check_eagle_state_dict
 from eaglekv.model.draft_io import check_against_target, spread_logits
@@ -52,6 +54,8 @@ class EagleDraftModel:
         self.fc_bias = sd.get("fc.bias") if cfg.fc_bias else None     # (H,)
         self.layer = DecoderLayer(cfg.layer_config(), {
             n[len(LAYER):]: w for n, w in sd.items() if n.startswith(LAYER)})
+        if self.device.type == "cuda" and fused.DRAFT_GEMV and fused.gemv_on(self.device):
+            gemv_layout([self.layer], self.device)      # its decode-sized forwards: gemv
         self.embed = sd["embed_tokens.weight"] if use_own_embed else None  # (V, H)
         # (H, V), shared with the target (a copy only when dtype or device differ); (H, Vd),
         # the target's columns of `vocab_ids`, with a reduced vocabulary

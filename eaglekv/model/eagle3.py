@@ -28,7 +28,9 @@ import torch
 from eaglekv.errors import ModelLoadError
 from eaglekv.model.config import ModelConfig
 from eaglekv.kernels.fused import add_rms_norm
-from eaglekv.model.llama import DecoderLayer, LlamaForCausalLM, ModelOutput, linear, t
+from eaglekv.kernels import fused
+from eaglekv.model.llama import (DecoderLayer, LlamaForCausalLM, ModelOutput, gemv_layout,
+                                   linear, t)
 from eaglekv.model.rope import RotaryEmbedding
 from eaglekv.model.draft_io import check_against_target, decoder_layer_config, spread_logits
 from eaglekv.model.eagle3_checkpoint import MID, Eagle3DraftConfig, check_eagle3_state_dict
@@ -59,6 +61,8 @@ class Eagle3DraftModel:
         self.layer = DecoderLayer(self.layer_config(), {
             n[len(MID):]: x for n, x in w.items()
             if n.startswith(MID) and not n.endswith(own_norms)})
+        if self.device.type == "cuda" and fused.DRAFT_GEMV and fused.gemv_on(self.device):
+            gemv_layout([self.layer], self.device)      # its decode-sized forwards: gemv
         self.norm = w["norm.weight"]                                     # (H,)
         self.lm_head_t = t(w["lm_head.weight"])                          # (H, Vd)
         self.embed = w["embed_tokens.weight"] if use_own_embed else None  # (V, H)

@@ -178,6 +178,18 @@ class DecoderLayer:
         return linear(act, self.down), residual
 
 
+def gemv_layout(layers: list[DecoderLayer], device: torch.device) -> None:
+    """The layers' (in, out) matrices stored as nn.Linear's (out, in) rows (`column_major`),
+    so that their decode-sized matmuls go to the gemv kernel (kernels/fused.py) and the others
+    to cuBLAS: those that carry the norm (qkv, gate_up), and the bare ones (o, down) too where
+    every matmul takes the kernel (`fused.gemv_on(device, False)`: PDL on, or EAGLEKV_GEMV=1).
+    The target's layers on CUDA; a draft's one layer where `fused.DRAFT_GEMV` says so."""
+    names = ("qkv", "gate_up") + (("o", "down") if fused.gemv_on(device, False) else ())
+    for layer in layers:
+        for name in names:
+            setattr(layer, name, column_major(getattr(layer, name)))
+
+
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor names and shapes this config needs."""
     H, I, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
@@ -272,15 +284,7 @@ class LlamaForCausalLM:
             self.layers.append(DecoderLayer(cfg, {n[len(p):]: v for n, v in w.items()
                                                   if n.startswith(p)}, fused=True))
         if self.device.type == "cuda" and fused.gemv_on(self.device):
-            # the (in, out) matrices stored as nn.Linear's (out, in) rows: the decode-sized
-            # matmuls go to the gemv kernel (kernels/fused.py), the others to cuBLAS; by
-            # default only those that carry the norm (qkv, gate_up), the bare ones too where
-            # every matmul takes the kernel (EAGLEKV_GEMV=1)
-            names = ("qkv", "gate_up") + (("o", "down") if fused.gemv_on(self.device, False)
-                                          else ())
-            for layer in self.layers:
-                for name in names:
-                    setattr(layer, name, column_major(getattr(layer, name)))
+            gemv_layout(self.layers, self.device)
             if fused.FUSE_MLP or fused.MERGE_O:
                 self.prepare_accumulators()
         self.rope = RotaryEmbedding(cfg.hf_config, cfg.head_dim,

@@ -40,11 +40,13 @@ from eaglekv.speculative.tree import verify_tree
 # acceptance (`spec_chain_steps`). Why it may pay: the host's work between two chains (the
 # sync, the results, the next plan, its slots and copies) leaves the GPU idle for a time a
 # chain, not a token; a plain chain of 32 tokens pays it once, a chain of S7 steps (4 at
-# full acceptance) about once every 23 tokens at the shipped head's accept 5.8 (an H100 on
-# 2026-12-07, eagle3_chain_S7K1N8 at batch 1: 2.1 ms idle in a 7.5 ms chain, 1.0 ms of it in
-# gaps of over 100 us). The cost: a request that stops early (EOS) runs on to the chain's
-# end, and newcomers wait a longer chain. 1 (the default) until timed; the bench's `_sx2`,
-# `_sx3` modes; EAGLEKV_SPEC_CHAIN_X sets it. Read when a speculative runner is built.
+# full acceptance) about once every 23 tokens at the shipped head's accept 5.8. How much:
+# little, by an H100's profile of 2026-12-07 (eagle3_chain_S7K1N8 at batch 1: 6.41 ms of
+# wall a chain against 5.35 ms of kernels and ~0.96 ms of boundaries between them, so <=
+# ~0.1 ms of host gap a chain, <= ~2%). The cost: a request that stops early (EOS) runs on to
+# the chain's end, and newcomers wait a longer chain. 1 (the default) until timed; the
+# bench's `_sx2`, `_sx3` modes; EAGLEKV_SPEC_CHAIN_X sets it. Read when a speculative runner
+# is built.
 SPEC_CHAIN_X = float(os.environ.get("EAGLEKV_SPEC_CHAIN_X", "1"))
 
 

@@ -560,6 +560,18 @@ def test_an_unknown_mode_is_refused_before_anything_loads():
         gpu.main(args)
 
 
+def test_a_missing_floor_script_is_refused_before_anything_loads(tmp_path):
+    """`eaglekv bench --floor PATH` with no file there: a ConfigError naming the path before
+    the modes run (it raised FileNotFoundError after a whole table's minutes on an H100,
+    2026-12-07, and the run's JSON was never written)."""
+    from eaglekv.bench import gpu
+    from eaglekv.errors import ConfigError
+    missing = str(tmp_path / "graph_floor.py")
+    args = SimpleNamespace(batches="1", modes="plain", floor=missing)
+    with pytest.raises(ConfigError, match=r"--floor '.*graph_floor\.py' is not a file"):
+        gpu.main(args)
+
+
 def test_bench_prompts_from_a_file(tiny_dir, tmp_path):
     """`eaglekv bench --table --prompts FILE`: request i of a batch takes the file's prompt
     i mod their count (eval-draft's format); a missing or malformed file is a ConfigError

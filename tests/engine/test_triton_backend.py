@@ -192,6 +192,45 @@ def test_fused_mlp_follows_weights_changed_in_place(tiny_dir, monkeypatch):
     assert [o.token_ids for o in engine.generate(PROMPTS[:1], SP)] == ref
 
 
+@pytest.mark.parametrize("alg", ["eagle", "eagle3"])
+def test_draft_layer_in_the_gemv_layout_equals_torch(tiny_dir, deep_dir, reference,
+                                                     monkeypatch, alg):
+    """A draft's one layer in the gemv layout (`fused.DRAFT_GEMV`, `llama.gemv_layout`): its
+    one-token draft forwards (an S3 chain of one request) take the gemv kernels for qkv (with
+    RoPE and the K/V store where the layer has its input norm), o, gate_up (with the norm
+    prologue and SiLU*mul) and down, and greedy output equals the torch backend's, EAGLE-1/2
+    and EAGLE-3 heads alike (EAGLE-3 on the 8-layer target its aux layers need); the books
+    balance."""
+    from eaglekv.kernels import fused
+    from eaglekv.model import cpu_blas
+    from eaglekv.model.llama import gemv_layout
+    target_dir = tiny_dir if alg == "eagle" else deep_dir
+    ref = reference[:1] if alg == "eagle" else [o.token_ids for o in tiny_engine(
+        deep_dir, max_running_requests=1).generate(PROMPTS[:1], SP)]
+    monkeypatch.setattr(fused, "FUSE_GEMV", True)            # the CPU interpreter too
+    monkeypatch.setattr(fused, "DRAFT_GEMV", True)
+    engine = tiny_engine(target_dir, device=DEV, max_running_requests=1,
+                         attention_backend="triton", speculative=spec(alg, 3, 1, 4))
+    draft = engine.runner.drafter.model
+    if not ON_GPU:                                    # what a CUDA build with the flag makes
+        gemv_layout([draft.layer], draft.device)
+        # the CPU's fp32 matmuls go to numpy / oneDNN before the gemv kernel
+        monkeypatch.setattr(cpu_blas, "cpu_linear", lambda *a: None)
+    weights = {id(getattr(draft.layer, n)): n for n in ("qkv", "o", "gate_up", "down")}
+    assert all(getattr(draft.layer, n).stride(0) == 1 for n in weights.values())
+    seen = []
+    impl = fused._triton_impl()
+    for fn in ("gemv_triton", "gemv_rope_store_triton"):
+        real = getattr(impl, fn)
+        monkeypatch.setattr(impl, fn, lambda x, r, nw, eps, w, *a, _r=real:
+                            seen.append(weights.get(id(w))) or _r(x, r, nw, eps, w, *a))
+    outs = [o.token_ids for o in engine.generate(PROMPTS[:1], SP)]
+    assert outs == ref
+    engine.check_memory()
+    assert engine.allocator.is_full()
+    assert {"qkv", "o", "gate_up", "down"} <= set(seen), set(seen)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_fusions_leave_biased_or_qk_normed_layers_alone(tmp_path, monkeypatch, arch):
     """A model whose layers take another qkv path (Qwen2's q/k/v biases, Qwen3's q/k norms,
