@@ -26,6 +26,7 @@ import json
 import os
 import pstats
 import runpy
+import sys
 import statistics
 import time
 import traceback
@@ -1283,6 +1284,18 @@ def checks_replay_row(model, batches=(1, 64), context: int = 256, k: int = 8,
     return out
 
 
+def floor_or_error(path: str) -> dict:
+    """`floor_rows`, or {"error": ...} where the floor script failed: it runs after the modes,
+    whose minutes of figures are then still written (a floor that raised lost a whole table's
+    JSON on an H100, 2026-12-07)."""
+    try:
+        return floor_rows(path)
+    except Exception as e:                       # noqa: BLE001 (any failure of the script)
+        print(f"bench: the floor failed ({type(e).__name__}: {e}); the modes' figures are kept",
+              file=sys.stderr)
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def floor_rows(path: str) -> dict:
     """The floor of issue 13's table, in this process: `graph_floor.py` (../shared/tools: one
     batch-1 decode step of a Llama-shaped model in plain PyTorch ops over a static KV cache,
@@ -1562,7 +1575,7 @@ def main(args) -> None:
     if args.llama8b and getattr(args, "llama8b_after", False) and args.device.startswith("cuda"):
         result["llama8b_after_modes"] = {**llama8b_row(), "measured": "after the modes"}
     if getattr(args, "floor", None) and args.device.startswith("cuda"):
-        result["floor"] = floor_rows(args.floor)
+        result["floor"] = floor_or_error(args.floor)
         f = result["floor"].get("smollm2_shape", {}).get("compiled_graph_tok_s")
         if f and "plain" in result["modes"] and 1 in result["modes"]["plain"]["rows"]:
             row1 = result["modes"]["plain"]["rows"][1]

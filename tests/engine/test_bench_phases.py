@@ -221,6 +221,13 @@ def test_the_floor_runs_in_the_bench_process(tmp_path):
     bad.write_text('print("nothing useful")\n')
     with pytest.raises(RuntimeError, match="printed no"):
         floor_rows(str(bad))
+    # after the modes a failing floor is recorded, not raised: their figures are still written
+    from eaglekv.bench.gpu import floor_or_error
+    failed = floor_or_error(str(bad))
+    assert failed["error"].startswith("RuntimeError:") and "printed no" in failed["error"]
+    assert floor_or_error(str(script)) == rows
+    result["floor"] = failed
+    assert "floor:" not in table(result)
 
 
 def test_modes_with_a_cpu_library_compare_within_their_library():
