@@ -361,7 +361,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # (it keeps down by rows and the accumulators) and at each forward.
 FUSE_MLP = os.environ.get("EAGLEKV_FUSE_MLP", "1") == "1"
 FUSE_MLP_MAX_ROWS = int(os.environ.get("EAGLEKV_FUSE_MLP_MAX_ROWS", "1"))
-MLP_KERNEL_MAX_ROWS = 4             # the fused MLP kernel's register tile
+# the fused MLP kernel's rows: a register tile of 4 (fused_triton.MLP_ROW_GROUP), 5-8 rows in
+# two row groups of programs over the same weight slices (a verify of S5 / S7 at batch 1:
+# EAGLEKV_FUSE_MLP_MAX_ROWS=8, the bench's `_mlp8` modes; untimed, 2026-12-07)
+MLP_KERNEL_MAX_ROWS = 8
 MLP_MAX_ROWS = 8                    # rows of the accumulators (merge + o takes up to 8)
 MLP_MAX_WEIGHT_BYTES = 16 << 20     # gate_up + down; larger MLPs stream at the bandwidth
 
@@ -373,7 +376,7 @@ def use_fused_mlp(x: torch.Tensor, w: torch.Tensor, wd: torch.Tensor | None) -> 
     small enough."""
     return (FUSE_MLP and wd is not None and x.dim() == 2
             and 0 < x.shape[0] <= min(FUSE_MLP_MAX_ROWS, MLP_KERNEL_MAX_ROWS)
-            and use_gemv(x, w, fused=True)
+            and use_gemv(x[:1], w, fused=True)          # (w's layout and bounds: any rows)
             and x.shape[1] <= _triton_impl().MLP_MAX_HIDDEN
             and (w.numel() + wd.numel()) * w.element_size() <= MLP_MAX_WEIGHT_BYTES)
 

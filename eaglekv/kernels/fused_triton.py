@@ -536,8 +536,17 @@ def _mlp_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, wd_ptr, acc_ptr, res_ptr, zero_ptr,
     down's input i). The sums' order varies between runs (atomics): fp32 results may differ
     in the last bits. USE_GDC (PDL): the three weight tiles are read before the wait.
     ATOMIC=False (plain stores: a wrong sum) and DOWN=False (no down product) exist only to
-    time the parts (bench/explore_mlp.py)."""
+    time the parts (bench/explore_mlp.py). Forwards of more than BLOCK_M rows run in row
+    groups: program (j, g) takes rows [g * BLOCK_M, (g + 1) * BLOCK_M) with the same weight
+    slice (the second group's read mostly from L2); only group 0 clears `zero_ptr`."""
     j = tl.program_id(0)
+    g = tl.program_id(1)
+    if g > 0:                                    # row group g: its rows' pointers and count
+        x_ptr += g * BLOCK_M * x_s0
+        r_ptr += g * BLOCK_M * r_s0
+        res_ptr += g * BLOCK_M * r_s0
+        acc_ptr += g * BLOCK_M * acc_s0
+        M -= g * BLOCK_M
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
     cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
@@ -547,8 +556,9 @@ def _mlp_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, wd_ptr, acc_ptr, res_ptr, zero_ptr,
     a = _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, I, x_s0, r_s0, w_sk, w_sn, eps,
                    j, rows, cols, w_ptr.dtype.element_ty, True, HAS_RESIDUAL, True, BLOCK_M,
                    BLOCK_N, BLOCK_K, BY_HAND, USE_GDC, False, IEEE, ROW2).to(tl.float32)
-    z = j * ZBLOCK + tl.arange(0, ZBLOCK)
-    tl.store(zero_ptr + z, tl.zeros([ZBLOCK], tl.float32), mask=z < n_zero)
+    if g == 0:
+        z = j * ZBLOCK + tl.arange(0, ZBLOCK)
+        tl.store(zero_ptr + z, tl.zeros([ZBLOCK], tl.float32), mask=z < n_zero)
     wf = wd.to(tl.float32)
     for m in tl.static_range(BLOCK_M):
         am = tl.sum(tl.where(rows[:, None] == m, a, 0.0), axis=0)                  # (BN,)
@@ -571,18 +581,21 @@ if os.environ.get("EAGLEKV_MLP_CONFIG"):
     _v = tuple(int(v) for v in os.environ["EAGLEKV_MLP_CONFIG"].split(","))
     MLP_CONFIG = {m: _v for m in MLP_CONFIG}
 MLP_MAX_HIDDEN = 2048        # the hidden size in one tile (SmolLM2's 576; an 8B's 4096 is not)
+MLP_ROW_GROUP = 4            # rows a program: 5-8-row forwards (verifies) run two row groups
 
 
 def mlp_triton(x, residual, norm_weight, eps: float, w, wd, acc, zero, *, config=None,
                atomic: bool = True, down: bool = True):
-    """`_mlp_kernel`: x (M <= 4, K) contiguous rows (fp32 or w's dtype), residual (M, K) or
+    """`_mlp_kernel`: x (M <= 8, K) contiguous rows (fp32 or w's dtype), residual (M, K) or
     None, w (K, 2I) column-major, wd (I, K) rows, acc (>= M, K) fp32 zero on entry, zero a
     contiguous fp32 buffer to clear -> (acc[:M] holding the MLP's output, new residual).
+    More than MLP_ROW_GROUP rows: groups of MLP_ROW_GROUP, a second grid dimension.
     Arguments checked by `fused.fused_mlp`. config (block_n, num_warps), atomic and down:
     bench/explore_mlp.py's variants (atomic / down False time a part and give wrong sums)."""
     M, K = x.shape
     I = wd.shape[0]
-    bm = _pow2(M)
+    bm = min(_pow2(M), MLP_ROW_GROUP)
+    groups = -(-M // bm)
     bn, nw = config or MLP_CONFIG[bm]
     progs = -(-I // bn)
     zb = _pow2(-(-zero.numel() // progs))
@@ -595,7 +608,7 @@ def mlp_triton(x, residual, norm_weight, eps: float, w, wd, acc, zero, *, config
             w.stride(0), w.stride(1), wd.stride(0), wd.stride(1), acc.stride(0), zero.numel(),
             eps, residual is not None, bm, bn, max(16, _pow2(K)), zb, not x.is_cuda, use_pdl,
             w.dtype == torch.float32 or not x.is_cuda, atomic, down, GEMV_ONE_ROW_2D)
-    _MLP.launch(_MLP.lookup(key), key, (progs, 1), args, x.get_device(), num_warps=nw,
+    _MLP.launch(_MLP.lookup(key), key, (progs, groups), args, x.get_device(), num_warps=nw,
                 num_stages=1, **pdl.launch_options(use_pdl))
     return acc[:M], new_res
 

@@ -113,7 +113,7 @@ def test_qkv_rope_in_one_kernel_equals_torch(tiny_dir, reference, monkeypatch, k
 
 
 @pytest.mark.parametrize("kind,what", [("plain", "mlp+mo"), ("chain", "mlp+mo"),
-                                       ("chain5", "mo8")])
+                                       ("chain5", "mo8"), ("chain5", "mlp8+mo8")])
 def test_fused_mlp_and_merge_o_equal_torch(tiny_dir, reference, monkeypatch, kind, what):
     """With the MLP in one launch (`EAGLEKV_FUSE_MLP=1`: down split into an fp32 accumulator
     the next layer reads) and / or the decode's merge with the o projection in one launch
@@ -128,9 +128,11 @@ def test_fused_mlp_and_merge_o_equal_torch(tiny_dir, reference, monkeypatch, kin
     monkeypatch.setattr(fused, "MERGE_O", "mo" in what)
     # plain: the fused MLP at 3 rows too; the chain: at one row, the default (its prefill of
     # 3 tokens and verifies of 4 run the MLP unfused on merge_o's fp32 output); chain5:
-    # merge + o up to 8 rows (its verifies of 6: the Triton add + RMSNorm, then cuBLAS)
-    monkeypatch.setattr(fused, "FUSE_MLP_MAX_ROWS", 4 if kind == "plain" else 1)
-    monkeypatch.setattr(fused, "MERGE_O_MAX_ROWS", 8 if what == "mo8" else 4)
+    # merge + o up to 8 rows (its verifies of 6: the Triton add + RMSNorm, then cuBLAS);
+    # mlp8: the MLP too up to 8 rows (the verifies of 6 in two row groups)
+    monkeypatch.setattr(fused, "FUSE_MLP_MAX_ROWS",
+                        8 if "mlp8" in what else 4 if kind == "plain" else 1)
+    monkeypatch.setattr(fused, "MERGE_O_MAX_ROWS", 8 if "mo8" in what else 4)
     launches = {"mlp": [], "mo": []}
     for name, fn in (("mlp", "mlp_triton"), ("mo", "merge_o_triton")):
         real = getattr(fused_triton, fn)
@@ -161,7 +163,8 @@ def test_fused_mlp_and_merge_o_equal_torch(tiny_dir, reference, monkeypatch, kin
         if seen and not ON_GPU:    # eager steps: each forward took it in every layer
             assert max(seen) <= fused.MLP_MAX_ROWS and len(seen) % len(model.layers) == 0
     if "mlp" in what and not ON_GPU:
-        assert ({3} <= set(launches["mlp"])) if kind == "plain" else not launches["mlp"]
+        want = {"plain": {3}, "chain": set(), "chain5": {6}}[kind]
+        assert want <= set(launches["mlp"]) if want else not launches["mlp"]
     if "mo" in what and not ON_GPU:
         assert {"plain": {3}, "chain": {4}, "chain5": {6}}[kind] <= set(launches["mo"])
 

@@ -57,7 +57,10 @@ def close(a, b, dtype, what):
 CASES = [(1, 64, 48, torch.float32, True, False), (1, 96, 200, torch.bfloat16, True, False),
          (2, 64, 40, torch.float16, True, False), (3, 48, 64, torch.float32, False, False),
          (4, 64, 48, torch.bfloat16, True, True), (1, 64, 36, torch.float32, True, True),
-         (1, 576, 96, torch.bfloat16, True, True)]
+         (1, 576, 96, torch.bfloat16, True, True),
+         # 5-8 rows (a verify of S5 / S7): two row groups of programs over the same weights
+         (6, 64, 48, torch.float32, True, False), (8, 96, 40, torch.bfloat16, True, True),
+         (5, 48, 64, torch.float16, False, False)]
 
 
 @pytest.mark.parametrize("M,K,I,dtype,residual,x32", CASES)
