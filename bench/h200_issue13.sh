@@ -226,14 +226,16 @@ PY
     # step's levers built without a GPU on the random model: the draft's layer in the gemv
     # layout (`_dgemv`), chains of twice the steps (`_sx2`), both; then their GPU tests
     # and the MLP in one launch up to 8 rows (`_mlp8`, with merge + o to 8: `_mlp8_mo8`)
-    MODES=${MODES:-plain,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_dgemv,eagle3_chain_S7K1N8_sx2,eagle3_chain_S7K1N8_mlp8,eagle3_chain_S7K1N8_mlp8_mo8,eagle3_chain_S7K1N8_mlp8_mo8_dgemv,eagle3_chain_S3K1N4,eagle3_chain_S3K1N4_dgemv,eagle3_chain_S3K1N4_mlp8} \
+    # and the qkv of 5-8 rows in the gemv's row groups (`_g8`: with `_mlp8_mo8` a verify layer
+    # of S7 at batch 1 is four launches)
+    MODES=${MODES:-plain,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_dgemv,eagle3_chain_S7K1N8_sx2,eagle3_chain_S7K1N8_mlp8_mo8,eagle3_chain_S7K1N8_g8,eagle3_chain_S7K1N8_g8_mlp8_mo8,eagle3_chain_S7K1N8_g8_mlp8_mo8_dgemv,eagle3_chain_S3K1N4,eagle3_chain_S3K1N4_dgemv} \
       BATCHES=${BATCHES:-1,4,64} TESTS_TIMEOUT=${TESTS_TIMEOUT:-150} SKIP_8B=${SKIP_8B:-1} \
-      TESTS_FILES="tests/engine/test_triton_backend.py tests/speculative/test_graph_buffers.py tests/kernels/test_fused_mlp.py" \
-      TESTS_K="draft_layer or chain_x or fused_mlp" "$0" rnd
+      TESTS_FILES="tests/engine/test_triton_backend.py tests/speculative/test_graph_buffers.py tests/kernels/test_fused_mlp.py tests/kernels/test_gemv_rope.py tests/kernels/test_fused_triton.py" \
+      TESTS_K="draft_layer or chain_x or fused_mlp or row_groups" "$0" rnd
     ;;
   draftreal)
     # the same on the real model and the shipped EAGLE-3 head (stage both first, as `table`)
-    MODES=${MODES:-plain,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_dgemv,eagle3_chain_S7K1N8_mlp8_mo8,eagle3_chain_S7K1N8_mlp8_mo8_dgemv,adaptive_eagle3,adaptive_eagle3_mlp8_mo8_dgemv} \
+    MODES=${MODES:-plain,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_dgemv,eagle3_chain_S7K1N8_g8_mlp8_mo8,eagle3_chain_S7K1N8_g8_mlp8_mo8_dgemv,adaptive_eagle3,adaptive_eagle3_g8_mlp8_mo8_dgemv} \
       BATCHES=${BATCHES:-1,4,64} REPEATS=${REPEATS:-2} FLOOR=0 LLAMA8B=" " \
       BENCH_TIMEOUT=${BENCH_TIMEOUT:-400} "$0" bench
     ;;

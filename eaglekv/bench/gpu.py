@@ -288,8 +288,11 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
                  # the draft's layer in the gemv layout (`_dgemv`: fused.DRAFT_GEMV); the MLP
                  # in one launch up to 8 rows (`_mlp8`: the verifies of S5 / S7 at batch 1),
                  # with merge + o up to 8 rows too (`_mo8`)
+                 # and the qkv of 5-8 rows in the gemv's row groups (`_g8`): with `_mlp8_mo8`
+                 # a verify layer of S7 at batch 1 in four launches, like a decode's
                  for x in ("sx2", "sx3", "dgemv", "dgemv_sx2", "mlp8", "mlp8_mo8",
-                           "mlp8_mo8_dgemv")},
+                           "mlp8_mo8_dgemv", "g8", "g8_mlp8_mo8", "g8_mlp8_mo8_dgemv")},
+              "eagle3_chain_S5K1N6_g8_mlp8_mo8": MODES["eagle3_chain_S5K1N6"],
               "eagle3_chain_S5K1N6_mlp8": MODES["eagle3_chain_S5K1N6"],
               "eagle3_chain_S5K1N6_mlp8_mo8": MODES["eagle3_chain_S5K1N6"], "plain_mlp8": None})
 
@@ -308,7 +311,7 @@ VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8"
             "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
             "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg", "_dpf",
             "_bk2k", "_fmlp", "_fmlp4", "_fmlp16", "_mo", "_nofuse", "_r3d", "_r2d", "_fuse",
-            "_mo8", "_sx2", "_sx3", "_dgemv", "_mlp8")
+            "_mo8", "_sx2", "_sx3", "_dgemv", "_mlp8", "_g8")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -318,6 +321,7 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "mo8": ("eaglekv.kernels.fused", "MERGE_O_MAX_ROWS", 8),
                    "dgemv": ("eaglekv.kernels.fused", "DRAFT_GEMV", True),
                    "mlp8": ("eaglekv.kernels.fused", "FUSE_MLP_MAX_ROWS", 8),
+                   "g8": ("eaglekv.kernels.fused", "GEMV_GROUP_MAX_ROWS", 8),
                    "sx2": ("eaglekv.speculative.eagle_worker", "SPEC_CHAIN_X", 2.0),
                    "sx3": ("eaglekv.speculative.eagle_worker", "SPEC_CHAIN_X", 3.0),
                    # the gemv's one-row products in the weight tile's layout (`_r2d`, off

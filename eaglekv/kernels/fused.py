@@ -213,6 +213,15 @@ GEMV_MAX_ROWS = 4            # decode-sized batches; from 8 rows on cuBLAS's til
 # the shipped engine (1.02x with the extend attention under PDL too, `_dot_xpdl`), plain at 4
 # and 16 rows 0.94x / 0.94x, the S4/K2/N8 tree at batch 1 0.95x.
 GEMV_DOT_MAX_ROWS = 0 if os.environ.get("EAGLEKV_GEMV_DOT", "0") == "0" else 16
+# 5 to GEMV_GROUP_MAX_ROWS rows (a verify window at batch 1: S5's 6, S7's 8) in the kernel's
+# 4-row register tile, in row groups (a second grid dimension: each weight slice read by two
+# programs, the second mostly from L2) instead of the tensor-core tile above, which lost to
+# cuBLAS at 6 rows; with the MLP (`FUSE_MLP_MAX_ROWS`) and merge + o (`MERGE_O_MAX_ROWS`) up
+# to 8 rows too, a verify layer of S7 at batch 1 is four launches like the decode's (qkv +
+# norm + RoPE + store, attention, merge + o, the MLP) where it is ten. Built 2026-12-07
+# without a GPU: off (0) until timed (EAGLEKV_GEMV_GROUP_ROWS=8; the bench's `_g8` modes).
+# Read at each forward (graphs capture it).
+GEMV_GROUP_MAX_ROWS = int(os.environ.get("EAGLEKV_GEMV_GROUP_ROWS", "0"))
 # On by default on CUDA since 2026-12-05 for the matmuls it carries glue with: at the tiling of
 # `fused_triton.GEMV_CONFIG` the kernel with the add + RMSNorm prologue runs SmolLM2's qkv in
 # 3.3 us where cuBLAS and the separate norm kernel take 5.4, gate_up with SiLU*mul 4.8 against
@@ -305,7 +314,7 @@ def use_gemv(x: torch.Tensor, w: torch.Tensor, fused: bool = False) -> bool:
     GEMV_ROWS_MAX_K) on a Triton device, a column-major w (see `column_major`) within the
     weight bounds (`_weight_fits`)."""
     return (gemv_on(x.device, fused) and x.dim() == 2
-            and 0 < x.shape[0] <= max(GEMV_MAX_ROWS, GEMV_DOT_MAX_ROWS)
+            and 0 < x.shape[0] <= max(GEMV_MAX_ROWS, GEMV_DOT_MAX_ROWS, GEMV_GROUP_MAX_ROWS)
             and (x.shape[0] == 1 or GEMV_ROWS_MAX_K is None or x.shape[1] < GEMV_ROWS_MAX_K)
             and w.dim() == 2 and w.stride(0) == 1 and w.shape[1] > 1 and use_triton(x)
             and _weight_fits(w, fused))

@@ -335,14 +335,22 @@ GEMV_DOT_CONFIG = dict(zip(("block_n", "block_k", "num_warps"),
 def gemv_tiling(M: int, K: int, block_n: int | None = None, block_k: int | None = None,
                 num_warps: int | None = None) -> tuple[int, int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, DOT) of the gemv for M rows of K: the register
-    tile up to GEMV_BCAST_MAX_ROWS rows, the tensor-core tile (GEMV_DOT_CONFIG) above."""
-    if M <= GEMV_BCAST_MAX_ROWS:
+    tile up to GEMV_BCAST_MAX_ROWS rows (and up to fused.GEMV_GROUP_MAX_ROWS in row groups of
+    GEMV_BCAST_MAX_ROWS: `gemv_row_groups`), the tensor-core tile (GEMV_DOT_CONFIG) above."""
+    from eaglekv.kernels import fused
+    if M <= max(GEMV_BCAST_MAX_ROWS, fused.GEMV_GROUP_MAX_ROWS):
+        bm = min(_pow2(M), GEMV_BCAST_MAX_ROWS)
         wide = M == 1 and GEMV_WIDE_K is not None and K >= GEMV_WIDE_K
-        return (_pow2(M), block_n or (GEMV_WIDE_BLOCK_N if wide else GEMV_CONFIG["block_n"]),
-                gemv_block_k(M, K, block_k), num_warps or GEMV_CONFIG["num_warps"], False)
+        return (bm, block_n or (GEMV_WIDE_BLOCK_N if wide else GEMV_CONFIG["block_n"]),
+                gemv_block_k(bm, K, block_k), num_warps or GEMV_CONFIG["num_warps"], False)
     bk = min(block_k or GEMV_DOT_CONFIG["block_k"], max(16, _pow2(K)))
     return (max(16, _pow2(M)), block_n or GEMV_DOT_CONFIG["block_n"], bk,
             num_warps or GEMV_DOT_CONFIG["num_warps"], True)
+
+
+def gemv_row_groups(M: int, bm: int, dot: bool) -> int:
+    """Row groups of a gemv launch (its grid's second dimension): M rows in tiles of bm."""
+    return 1 if dot else -(-M // bm)
 
 
 @triton.jit
@@ -409,8 +417,16 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s
     write the new residual s. USE_GDC (PDL, kernels/pdl.py): the first weight tile is loaded
     before waiting on the kernel before (the weights are no kernel's output), the rest after.
     DOT (BLOCK_M >= 16: 5-16 rows, a verify window or a small batch): the products on the
-    tensor cores (`_gemv_acc`)."""
+    tensor cores (`_gemv_acc`). More rows than BLOCK_M (row groups, `gemv_row_groups`):
+    program (j, g) takes rows [g * BLOCK_M, (g + 1) * BLOCK_M)."""
     j = tl.program_id(0)
+    g = tl.program_id(1)
+    if g > 0:                                    # row group g: its rows' pointers and count
+        x_ptr += g * BLOCK_M * x_s0
+        r_ptr += g * BLOCK_M * r_s0
+        res_ptr += g * BLOCK_M * r_s0
+        out_ptr += g * BLOCK_M * N_OUT
+        M -= g * BLOCK_M
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
     cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     y = _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, N_OUT, x_s0, r_s0, w_sk, w_sn,
@@ -493,7 +509,7 @@ def gemv_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, check,
     bm, bn, bk, nw, dot = gemv_tiling(M, K, block_n, block_k, num_warps)
     use_pdl = pdl.enabled(x.device)
     key = (_sig(x), residual is None, _sig(r), norm and _sig(norm_weight), _sig(w), silu_mul,
-           bn, bk, nw, use_pdl, GEMV_ONE_ROW_2D)
+           bm, bn, bk, nw, dot, use_pdl, GEMV_ONE_ROW_2D)
     hit = _GEMV.lookup(key)
     if hit is None:
         check(x, residual, norm_weight, w, silu_mul)
@@ -507,7 +523,8 @@ def gemv_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, check,
                 r.stride(0), w.stride(0), w.stride(1), eps, norm, residual is not None,
                 silu_mul, bm, bn, bk, not x.is_cuda, use_pdl, dot,
                 w.dtype == torch.float32 or not x.is_cuda, GEMV_ONE_ROW_2D)
-        _GEMV.launch(hit, key, (-(-n_out // bn), 1), args, x.get_device(),
+        _GEMV.launch(hit, key, (-(-n_out // bn), gemv_row_groups(M, bm, dot)), args,
+                     x.get_device(),
                      num_warps=nw, num_stages=2, **pdl.launch_options(use_pdl))
     return out, new_res
 
@@ -782,8 +799,20 @@ def _gemv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, x_s0, r_s0, w_
     same values as the two kernels, one launch less a layer. BLOCK_N is even and divides D, so
     a program's columns are whole pairs of one head. Guards as rope_store_qkv's: a bad slot
     writes no cache row, a bad position rotates by row 0 (q stays defined), and program 0
-    records each bad token once per kind."""
+    records each bad token once per kind (by its row in the call). More rows than BLOCK_M
+    (row groups, `gemv_row_groups`): program (j, g) takes rows [g * BLOCK_M, (g + 1) *
+    BLOCK_M)."""
     j = tl.program_id(0)
+    g = tl.program_id(1)
+    row0 = g * BLOCK_M                           # row group g: its rows' pointers and count
+    if g > 0:
+        x_ptr += row0 * x_s0
+        r_ptr += row0 * r_s0
+        res_ptr += row0 * r_s0
+        pos_ptr += row0 * p_s0
+        loc_ptr += row0 * l_s0
+        q_ptr += row0 * (H * D)
+        M -= row0
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
     rm = rows < M
     NQKV: tl.constexpr = (H + 2 * HKV) * D
@@ -819,10 +848,10 @@ def _gemv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, x_s0, r_s0, w_
         one = tl.full([BLOCK_M], 1, tl.int64)
         zero = tl.zeros([BLOCK_M], tl.int64)
         tl.atomic_add(err_ptr + zero, one, mask=first & ~pos_ok, sem="relaxed")
-        tl.atomic_min(err_ptr + 1 + zero, (pos_call.to(tl.int64) << 32) + rows,
+        tl.atomic_min(err_ptr + 1 + zero, (pos_call.to(tl.int64) << 32) + row0 + rows,
                       mask=first & ~pos_ok, sem="relaxed")
         tl.atomic_add(err_ptr + zero, one, mask=first & ~slot_ok, sem="relaxed")
-        tl.atomic_min(err_ptr + 1 + zero, (slot_call.to(tl.int64) << 32) + rows,
+        tl.atomic_min(err_ptr + 1 + zero, (slot_call.to(tl.int64) << 32) + row0 + rows,
                       mask=first & ~slot_ok, sem="relaxed")
 
 
@@ -838,7 +867,7 @@ def gemv_rope_store_triton(x, residual, norm_weight, eps: float, w, cos, sin, po
     key = (_sig(x), residual is None, residual is not None and _sig(residual), _sig(norm_weight),
            _sig(w), _sig(cos), _sig(sin), _sig(positions), _sig(out_cache_loc), _sig(k_cache),
            _sig(v_cache), num_heads, num_kv_heads, size_limit, FLAGS.checks,
-           FLAGS.device_assert, bn, bk, nw, use_pdl, GEMV_ONE_ROW_2D)
+           FLAGS.device_assert, bm, bn, bk, nw, dot, use_pdl, GEMV_ONE_ROW_2D)
     hit = _GEMV_ROPE.lookup(key)
     if hit is None:
         check(x, residual, norm_weight, w, cos, sin, positions, k_cache, v_cache, out_cache_loc,
@@ -859,7 +888,8 @@ def gemv_rope_store_triton(x, residual, norm_weight, eps: float, w, cos, sin, po
             bm, bn, bk, not x.is_cuda, FLAGS.checks, FLAGS.device_assert, use_pdl, dot,
             w.dtype == torch.float32 or not x.is_cuda, GEMV_ONE_ROW_2D)
     # tl.device_assert is compiled in only with debug=True
-    _GEMV_ROPE.launch(hit, key, (-(-n_out // bn), 1), args, x.get_device(), num_warps=nw,
+    _GEMV_ROPE.launch(hit, key, (-(-n_out // bn), gemv_row_groups(M, bm, dot)), args,
+                      x.get_device(), num_warps=nw,
                       num_stages=2, debug=FLAGS.device_assert, **pdl.launch_options(use_pdl))
     guard.after_launch()
     return q, new_res

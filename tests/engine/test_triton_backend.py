@@ -113,7 +113,8 @@ def test_qkv_rope_in_one_kernel_equals_torch(tiny_dir, reference, monkeypatch, k
 
 
 @pytest.mark.parametrize("kind,what", [("plain", "mlp+mo"), ("chain", "mlp+mo"),
-                                       ("chain5", "mo8"), ("chain5", "mlp8+mo8")])
+                                       ("chain5", "mo8"), ("chain5", "mlp8+mo8"),
+                                       ("chain5", "g8+mlp8+mo8")])
 def test_fused_mlp_and_merge_o_equal_torch(tiny_dir, reference, monkeypatch, kind, what):
     """With the MLP in one launch (`EAGLEKV_FUSE_MLP=1`: down split into an fp32 accumulator
     the next layer reads) and / or the decode's merge with the o projection in one launch
@@ -133,8 +134,12 @@ def test_fused_mlp_and_merge_o_equal_torch(tiny_dir, reference, monkeypatch, kin
     monkeypatch.setattr(fused, "FUSE_MLP_MAX_ROWS",
                         8 if "mlp8" in what else 4 if kind == "plain" else 1)
     monkeypatch.setattr(fused, "MERGE_O_MAX_ROWS", 8 if "mo8" in what else 4)
-    launches = {"mlp": [], "mo": []}
-    for name, fn in (("mlp", "mlp_triton"), ("mo", "merge_o_triton")):
+    # g8: the qkv (+ norm, RoPE and the K/V store) of 5-8 rows in the gemv's row groups too
+    # (`GEMV_GROUP_MAX_ROWS`): a verify layer of 6 rows in four launches, like a decode's
+    monkeypatch.setattr(fused, "GEMV_GROUP_MAX_ROWS", 8 if "g8" in what else 0)
+    launches = {"mlp": [], "mo": [], "qkv": []}
+    for name, fn in (("mlp", "mlp_triton"), ("mo", "merge_o_triton"),
+                     ("qkv", "gemv_rope_store_triton")):
         real = getattr(fused_triton, fn)
         monkeypatch.setattr(fused_triton, fn, lambda x, *a, _n=name, _r=real:
                             launches[_n].append(x.shape[0]) or _r(x, *a))
@@ -167,6 +172,8 @@ def test_fused_mlp_and_merge_o_equal_torch(tiny_dir, reference, monkeypatch, kin
         assert want <= set(launches["mlp"]) if want else not launches["mlp"]
     if "mo" in what and not ON_GPU:
         assert {"plain": {3}, "chain": {4}, "chain5": {6}}[kind] <= set(launches["mo"])
+    if not ON_GPU:                    # the 6-row verifies' qkv: row groups only when on
+        assert (6 in launches["qkv"]) == ("g8" in what)
 
 
 def test_fused_mlp_follows_weights_changed_in_place(tiny_dir, monkeypatch):

@@ -676,6 +676,29 @@ def test_gemv_rows_limits(monkeypatch):
                                                                          False]
 
 
+@pytest.mark.parametrize("M", [5, 6, 8])
+def test_gemv_row_groups_match_the_reference(M, monkeypatch):
+    """5-8 rows in row groups of the 4-row register tile (`fused.GEMV_GROUP_MAX_ROWS`): the
+    matmul takes them (`use_gemv`), two groups of programs, and every prologue / epilogue
+    equals the reference (the residual exact); off (0, the default) they go to the
+    tensor-core tile when it is on, else to the library."""
+    from eaglekv.kernels import fused
+    ft = fused._triton_impl()
+    monkeypatch.setattr(fused, "FUSE_GEMV", True)
+    w = fused.column_major(randn(64, 32, seed=4))
+    assert not fused.use_gemv(randn(M, 64), w) and ft.gemv_tiling(M, 64)[4]
+    monkeypatch.setattr(fused, "GEMV_GROUP_MAX_ROWS", 8)
+    assert fused.use_gemv(randn(M, 64), w) and not fused.use_gemv(randn(9, 64), w)
+    bm, _, _, _, dot = ft.gemv_tiling(M, 64)
+    assert (bm, dot, ft.gemv_row_groups(M, bm, dot)) == (4, False, 2)
+    _gemv_matches_reference(M)
+    x = randn(M, 300, seed=1)
+    wb = fused.column_major(randn(300, 40, seed=4, scale=300 ** -0.5))
+    got, want = fused.gemv(x, wb), (x.cpu() @ wb.cpu())
+    assert ((got.cpu().double() - want.double()).abs().max() / want.double().abs().max()
+            <= MATMUL_TOL[torch.float32])
+
+
 def _gemv_matches_reference(M: int, K: int = 300, N: int = 40) -> None:
     """gemv_triton at its current tiling (norm prologue, with and without SiLU*mul) against
     norm_matmul_torch: the residual exact, the product within fp32's matmul tolerance."""

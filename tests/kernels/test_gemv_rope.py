@@ -148,6 +148,42 @@ def test_fused_equals_the_two_kernels_and_the_reference(M, H, Hkv, D, dtype, idx
     close(vc[written], vc3[written], dtype)
 
 
+@pytest.mark.parametrize("M,H,Hkv,D,dtype,residual", [(5, 9, 3, 64, BF16, True),
+                                                      (8, 4, 2, 16, F32, False),
+                                                      (6, 4, 4, 8, F16, True)])
+def test_row_groups_equal_the_two_kernels_and_the_reference(M, H, Hkv, D, dtype, residual,
+                                                            monkeypatch):
+    """5-8 rows in row groups of the 4-row register tile (`fused.GEMV_GROUP_MAX_ROWS`, a
+    verify window at batch 1) instead of the tensor-core tile: the same values as the two
+    kernels and the reference, each row's K/V at its own slot; a bad slot in the second
+    group is refused and named by its own value."""
+    monkeypatch.setattr(fused, "GEMV_GROUP_MAX_ROWS", 8)
+    ft = fused._triton_impl()
+    bm, _, _, _, dot = ft.gemv_tiling(M, 64)
+    assert (bm, dot, ft.gemv_row_groups(M, bm, dot)) == (4, False, 2)
+    a = case(M, H, Hkv, D, dtype, I64, residual, seed=M + D)
+    assert fused.use_gemv_rope(a["x"], a["w"], D)
+    q, res, kc, vc = run(fused.norm_matmul_rope_store, a)
+    q2, res2, kc2, vc2 = run(unfused, a)
+    assert torch.equal(res, res2)
+    for got, want in ((q, q2), (kc, kc2), (vc, vc2)):
+        close(got, want, dtype)
+    written = a["out_cache_loc"].long().tolist()
+    assert sorted(rows_changed(kc, a["k_cache"])) == sorted(written)
+    q3, res3, kc3, vc3 = run(reference, a)
+    close(q, q3, dtype)
+    close(kc[written], kc3[written], dtype)
+    bad = a["out_cache_loc"].clone()
+    bad[M - 1] = LIMIT + 2                         # the second group's last row
+    guard = kv_guard(DEV)
+    with guard.step():
+        _, _, kc4, _ = run(fused.norm_matmul_rope_store, dict(a, out_cache_loc=bad), layer=2)
+    with pytest.raises(KVIndexError, match=rf"slot {LIMIT + 2} out of range \[0, {LIMIT}\) in "
+                                           r"store_cache \(layer 2, 1 of \d+ indices bad\)"):
+        guard.raise_if_error()
+    assert sorted(rows_changed(kc4, a["k_cache"])) == sorted(written[:M - 1])
+
+
 def test_bad_slot_and_position_write_no_row_and_are_reported():
     """In a guard step: q for every token (a bad position rotates by row 0), no cache row for
     the bad tokens, the errors at raise_if_error naming the value, the buffer clear after;
