@@ -405,7 +405,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s
                  SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, BY_HAND: tl.constexpr, USE_GDC: tl.constexpr = False,
                  DOT: tl.constexpr = False, IEEE: tl.constexpr = False,
-                 ROW2: tl.constexpr = False):
+                 ROW2: tl.constexpr = False, GROUPS: tl.constexpr = False):
     """Program j: output columns [j*BLOCK_N, (j+1)*BLOCK_N) of all M <= BLOCK_M rows of
         h = x                                              (NORM off), or
         s = round(x + r); h = round(s * rsqrt(mean(s^2) + eps) * nw)    (NORM, as norm_matmul)
@@ -417,11 +417,12 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s
     write the new residual s. USE_GDC (PDL, kernels/pdl.py): the first weight tile is loaded
     before waiting on the kernel before (the weights are no kernel's output), the rest after.
     DOT (BLOCK_M >= 16: 5-16 rows, a verify window or a small batch): the products on the
-    tensor cores (`_gemv_acc`). More rows than BLOCK_M (row groups, `gemv_row_groups`):
-    program (j, g) takes rows [g * BLOCK_M, (g + 1) * BLOCK_M)."""
+    tensor cores (`_gemv_acc`). GROUPS (more rows than BLOCK_M, `gemv_row_groups`; a
+    constexpr, so one-group launches compile as before): program (j, g) takes rows
+    [g * BLOCK_M, (g + 1) * BLOCK_M)."""
     j = tl.program_id(0)
-    g = tl.program_id(1)
-    if g > 0:                                    # row group g: its rows' pointers and count
+    if GROUPS:                                   # row group g: its rows' pointers and count
+        g = tl.program_id(1)
         x_ptr += g * BLOCK_M * x_s0
         r_ptr += g * BLOCK_M * r_s0
         res_ptr += g * BLOCK_M * r_s0
@@ -508,8 +509,9 @@ def gemv_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, check,
     M, K = x.shape
     bm, bn, bk, nw, dot = gemv_tiling(M, K, block_n, block_k, num_warps)
     use_pdl = pdl.enabled(x.device)
+    groups = gemv_row_groups(M, bm, dot)
     key = (_sig(x), residual is None, _sig(r), norm and _sig(norm_weight), _sig(w), silu_mul,
-           bm, bn, bk, nw, dot, use_pdl, GEMV_ONE_ROW_2D)
+           bm, bn, bk, nw, dot, use_pdl, GEMV_ONE_ROW_2D, groups > 1)
     hit = _GEMV.lookup(key)
     if hit is None:
         check(x, residual, norm_weight, w, silu_mul)
@@ -522,8 +524,8 @@ def gemv_triton(x, residual, norm_weight, eps: float, w, silu_mul: bool, check,
                 new_res if new_res is not None else out, M, K, n_out, x.stride(0),
                 r.stride(0), w.stride(0), w.stride(1), eps, norm, residual is not None,
                 silu_mul, bm, bn, bk, not x.is_cuda, use_pdl, dot,
-                w.dtype == torch.float32 or not x.is_cuda, GEMV_ONE_ROW_2D)
-        _GEMV.launch(hit, key, (-(-n_out // bn), gemv_row_groups(M, bm, dot)), args,
+                w.dtype == torch.float32 or not x.is_cuda, GEMV_ONE_ROW_2D, groups > 1)
+        _GEMV.launch(hit, key, (-(-n_out // bn), groups), args,
                      x.get_device(),
                      num_warps=nw, num_stages=2, **pdl.launch_options(use_pdl))
     return out, new_res
@@ -539,7 +541,7 @@ def _mlp_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, wd_ptr, acc_ptr, res_ptr, zero_ptr,
                 BLOCK_K: tl.constexpr, ZBLOCK: tl.constexpr, BY_HAND: tl.constexpr,
                 USE_GDC: tl.constexpr = False, IEEE: tl.constexpr = False,
                 ATOMIC: tl.constexpr = True, DOWN: tl.constexpr = True,
-                ROW2: tl.constexpr = False):
+                ROW2: tl.constexpr = False, GROUPS: tl.constexpr = False):
     """A decoder layer's MLP in one launch, split along the intermediate dimension. Program j
     takes intermediate columns c = [j*BLOCK_N, (j+1)*BLOCK_N) of I:
         s = round(x + r); h = round(s * rsqrt(mean(s^2) + eps) * nw)   (as `_gemv_kernel`)
@@ -553,12 +555,14 @@ def _mlp_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, wd_ptr, acc_ptr, res_ptr, zero_ptr,
     down's input i). The sums' order varies between runs (atomics): fp32 results may differ
     in the last bits. USE_GDC (PDL): the three weight tiles are read before the wait.
     ATOMIC=False (plain stores: a wrong sum) and DOWN=False (no down product) exist only to
-    time the parts (bench/explore_mlp.py). Forwards of more than BLOCK_M rows run in row
-    groups: program (j, g) takes rows [g * BLOCK_M, (g + 1) * BLOCK_M) with the same weight
-    slice (the second group's read mostly from L2); only group 0 clears `zero_ptr`."""
+    time the parts (bench/explore_mlp.py). GROUPS (forwards of more than BLOCK_M rows; a
+    constexpr, so one-group launches compile as before): program (j, g) takes rows
+    [g * BLOCK_M, (g + 1) * BLOCK_M) with the same weight slice (the second group's read
+    mostly from L2); only group 0 clears `zero_ptr`."""
     j = tl.program_id(0)
-    g = tl.program_id(1)
-    if g > 0:                                    # row group g: its rows' pointers and count
+    g = 0
+    if GROUPS:                                   # row group g: its rows' pointers and count
+        g = tl.program_id(1)
         x_ptr += g * BLOCK_M * x_s0
         r_ptr += g * BLOCK_M * r_s0
         res_ptr += g * BLOCK_M * r_s0
@@ -620,11 +624,12 @@ def mlp_triton(x, residual, norm_weight, eps: float, w, wd, acc, zero, *, config
     r = x if residual is None else residual
     new_res = x if residual is None else torch.empty_like(residual)
     key = (_sig(x), residual is None, _sig(r), _sig(norm_weight), _sig(w), _sig(wd), _sig(acc),
-           _sig(zero), bn, nw, use_pdl, atomic, down, GEMV_ONE_ROW_2D)
+           _sig(zero), bn, nw, use_pdl, atomic, down, GEMV_ONE_ROW_2D, groups > 1)
     args = (x, r, norm_weight, w, wd, acc, new_res, zero, M, K, I, x.stride(0), r.stride(0),
             w.stride(0), w.stride(1), wd.stride(0), wd.stride(1), acc.stride(0), zero.numel(),
             eps, residual is not None, bm, bn, max(16, _pow2(K)), zb, not x.is_cuda, use_pdl,
-            w.dtype == torch.float32 or not x.is_cuda, atomic, down, GEMV_ONE_ROW_2D)
+            w.dtype == torch.float32 or not x.is_cuda, atomic, down, GEMV_ONE_ROW_2D,
+            groups > 1)
     _MLP.launch(_MLP.lookup(key), key, (progs, groups), args, x.get_device(), num_warps=nw,
                 num_stages=1, **pdl.launch_options(use_pdl))
     return acc[:M], new_res
@@ -791,7 +796,7 @@ def _gemv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, x_s0, r_s0, w_
                       BLOCK_K: tl.constexpr, BY_HAND: tl.constexpr, CHECK: tl.constexpr,
                       ASSERT: tl.constexpr, USE_GDC: tl.constexpr = False,
                       DOT: tl.constexpr = False, IEEE: tl.constexpr = False,
-                      ROW2: tl.constexpr = False):
+                      ROW2: tl.constexpr = False, GROUPS: tl.constexpr = False):
     """`_gemv_kernel`'s add + RMSNorm + qkv product (columns [j*BLOCK_N, (j+1)*BLOCK_N) of
     the (H + 2Hkv) * D, rounded as the matmul's output), then `_rope_store_qkv_kernel`'s
     epilogue on them: pair (2i, 2i+1) of a q or k head rotated by cos/sin[pos[t], i] and
@@ -799,13 +804,13 @@ def _gemv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, x_s0, r_s0, w_
     same values as the two kernels, one launch less a layer. BLOCK_N is even and divides D, so
     a program's columns are whole pairs of one head. Guards as rope_store_qkv's: a bad slot
     writes no cache row, a bad position rotates by row 0 (q stays defined), and program 0
-    records each bad token once per kind (by its row in the call). More rows than BLOCK_M
-    (row groups, `gemv_row_groups`): program (j, g) takes rows [g * BLOCK_M, (g + 1) *
-    BLOCK_M)."""
+    records each bad token once per kind (by its row in the call). GROUPS (more rows than
+    BLOCK_M, `gemv_row_groups`; a constexpr, so one-group launches compile as before):
+    program (j, g) takes rows [g * BLOCK_M, (g + 1) * BLOCK_M)."""
     j = tl.program_id(0)
-    g = tl.program_id(1)
-    row0 = g * BLOCK_M                           # row group g: its rows' pointers and count
-    if g > 0:
+    row0 = 0
+    if GROUPS:                                   # row group g: its rows' pointers and count
+        row0 = tl.program_id(1) * BLOCK_M
         x_ptr += row0 * x_s0
         r_ptr += row0 * r_s0
         res_ptr += row0 * r_s0
@@ -867,7 +872,8 @@ def gemv_rope_store_triton(x, residual, norm_weight, eps: float, w, cos, sin, po
     key = (_sig(x), residual is None, residual is not None and _sig(residual), _sig(norm_weight),
            _sig(w), _sig(cos), _sig(sin), _sig(positions), _sig(out_cache_loc), _sig(k_cache),
            _sig(v_cache), num_heads, num_kv_heads, size_limit, FLAGS.checks,
-           FLAGS.device_assert, bm, bn, bk, nw, dot, use_pdl, GEMV_ONE_ROW_2D)
+           FLAGS.device_assert, bm, bn, bk, nw, dot, use_pdl, GEMV_ONE_ROW_2D,
+           gemv_row_groups(M, bm, dot))
     hit = _GEMV_ROPE.lookup(key)
     if hit is None:
         check(x, residual, norm_weight, w, cos, sin, positions, k_cache, v_cache, out_cache_loc,
@@ -886,7 +892,8 @@ def gemv_rope_store_triton(x, residual, norm_weight, eps: float, w, cos, sin, po
             out_cache_loc.stride(0), q, k_cache, v_cache, guard.err, pos_call, slot_call,
             cos.shape[0], size_limit, num_heads, num_kv_heads, D, residual is not None,
             bm, bn, bk, not x.is_cuda, FLAGS.checks, FLAGS.device_assert, use_pdl, dot,
-            w.dtype == torch.float32 or not x.is_cuda, GEMV_ONE_ROW_2D)
+            w.dtype == torch.float32 or not x.is_cuda, GEMV_ONE_ROW_2D,
+            gemv_row_groups(M, bm, dot) > 1)
     # tl.device_assert is compiled in only with debug=True
     _GEMV_ROPE.launch(hit, key, (-(-n_out // bn), gemv_row_groups(M, bm, dot)), args,
                       x.get_device(), num_warps=nw,

@@ -137,19 +137,24 @@ for norm, silu in ((True, False), (True, True), (False, False)):
     ptx, meta = ptx_of(ft._gemv_kernel, gemv_ptrs, cx, num_stages=2, launch_pdl=True)
     out[f"gemv_gdc_{int(norm)}{int(silu)}"] = gdc(ptx)
     out["launch_pdl_in_metadata"] = bool(getattr(meta, "launch_pdl", False))
+# row groups (fused.GEMV_GROUP_MAX_ROWS: 5-8 rows in groups of the 4-row tile, GROUPS=True)
+cx = dict(NORM=True, HAS_RESIDUAL=True, SILU=True, BLOCK_M=4, BLOCK_N=4, BLOCK_K=1024,
+          BY_HAND=False, USE_GDC=True, DOT=False, IEEE=False, ROW2=False, GROUPS=True)
+out["gemv_gdc_11g"] = gdc(ptx_of(ft._gemv_kernel, gemv_ptrs, cx, num_stages=2,
+                                 launch_pdl=True)[0])
 cx = dict(H=9, HKV=3, D=64, HB=16, PB=32, ASSERT=False, BY_HAND=False, CHECK=True, USE_GDC=True)
 out["rope_gdc"] = gdc(ptx_of(ft._rope_store_qkv_kernel, ptrs, cx)[0])
-for M in (1, 4):       # the qkv gemv with the rope epilogue (fused.FUSE_GEMV_ROPE)
-    cx = dict(H=9, HKV=3, D=64, HAS_RESIDUAL=True, BLOCK_M=M, BLOCK_N=4, BLOCK_K=1024,
-              BY_HAND=False, CHECK=True, ASSERT=False, USE_GDC=True, DOT=False, IEEE=False,
-              ROW2=True)
+for M in (1, 4, "4g"):  # the qkv gemv with the rope epilogue (fused.FUSE_GEMV_ROPE); 4g: groups
+    cx = dict(H=9, HKV=3, D=64, HAS_RESIDUAL=True, BLOCK_M=4 if M == "4g" else M, BLOCK_N=4,
+              BLOCK_K=1024, BY_HAND=False, CHECK=True, ASSERT=False, USE_GDC=True, DOT=False,
+              IEEE=False, ROW2=True, GROUPS=M == "4g")
     out[f"gemv_rope_gdc_{M}"] = gdc(ptx_of(ft._gemv_rope_kernel, dict(
         gemv_ptrs, cos_ptr="*fp32", sin_ptr="*fp32", q_ptr="*bf16", kc_ptr="*bf16",
         vc_ptr="*bf16"), cx, num_stages=2, launch_pdl=True)[0])
-for M in (1, 4):       # the MLP in one launch (fused.FUSE_MLP): x the fp32 accumulator
-    cx = dict(HAS_RESIDUAL=True, BLOCK_M=M, BLOCK_N=8 if M == 1 else 4, BLOCK_K=1024,
-              ZBLOCK=16, BY_HAND=False, USE_GDC=True, IEEE=False, ATOMIC=True, DOWN=True,
-              ROW2=True)
+for M in (1, 4, "4g"):  # the MLP in one launch (fused.FUSE_MLP): x the fp32 accumulator
+    cx = dict(HAS_RESIDUAL=True, BLOCK_M=4 if M == "4g" else M, BLOCK_N=8 if M == 1 else 4,
+              BLOCK_K=1024, ZBLOCK=16, BY_HAND=False, USE_GDC=True, IEEE=False, ATOMIC=True,
+              DOWN=True, ROW2=True, GROUPS=M == "4g")
     ptx = ptx_of(ft._mlp_kernel, dict(gemv_ptrs, x_ptr="*fp32", wd_ptr="*bf16",
                                       acc_ptr="*fp32", zero_ptr="*fp32"), cx, num_stages=1,
                  launch_pdl=True)[0]
@@ -254,7 +259,8 @@ def test_the_fused_decode_merge_takes_its_ticket_with_release_and_acquire(async_
 
 
 @pytest.mark.parametrize("kernel", ["gemv_gdc_10", "gemv_gdc_11", "gemv_gdc_00",
-                                    "gemv_rope_gdc_1", "gemv_rope_gdc_4"])
+                                    "gemv_rope_gdc_1", "gemv_rope_gdc_4", "gemv_gdc_11g",
+                                    "gemv_rope_gdc_4g"])
 def test_the_gemv_kernel_prefetches_its_weights_before_the_pdl_wait(async_copies, kernel):
     """Under PDL (kernels/pdl.py) the matrix-vector kernel (also with the RoPE + K/V store
     epilogue, 1 and 4 rows) loads its first weight tile (no kernel's output) before
@@ -281,7 +287,7 @@ def test_decode_prefetch_loads_before_its_wait(async_copies):
                                                    "load_before_wait": True}
 
 
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4, "4g"])     # 4g: 5-8 rows in row groups of 4
 def test_the_fused_mlp_prefetches_its_weights_and_adds_atomically(async_copies, rows):
     """The MLP in one launch (`fused_triton._mlp_kernel`) compiles for sm_90: under PDL its
     three weight tiles (gate, up, down's rows) are loaded before `griddepcontrol.wait` (each
