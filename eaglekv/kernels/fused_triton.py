@@ -354,6 +354,16 @@ def gemv_row_groups(M: int, bm: int, dot: bool) -> int:
 
 
 @triton.jit
+def _row_group(x_ptr, r_ptr, res_ptr, o_ptr, M, x_s0, r_s0, o_s0, BLOCK_M: tl.constexpr):
+    """Row group g = program_id(1) of a launch in row groups (`gemv_row_groups`): the
+    pointers of its first row (input, residual, new residual, output of row stride o_s0), its
+    row count and its first row's index in the call -> (x, r, res, o, M, row0)."""
+    row0 = tl.program_id(1) * BLOCK_M
+    return (x_ptr + row0 * x_s0, r_ptr + row0 * r_s0, res_ptr + row0 * r_s0,
+            o_ptr + row0 * o_s0, M - row0, row0)
+
+
+@triton.jit
 def _gemv_rows(x_ptr, r_ptr, res_ptr, nw_ptr, rows, rm, kk, km, x_s0, r_s0, K, inv,
                STORE_RESIDUAL, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                BY_HAND: tl.constexpr):
@@ -421,13 +431,9 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, res_ptr, M, K, N_OUT, x_s
     constexpr, so one-group launches compile as before): program (j, g) takes rows
     [g * BLOCK_M, (g + 1) * BLOCK_M)."""
     j = tl.program_id(0)
-    if GROUPS:                                   # row group g: its rows' pointers and count
-        g = tl.program_id(1)
-        x_ptr += g * BLOCK_M * x_s0
-        r_ptr += g * BLOCK_M * r_s0
-        res_ptr += g * BLOCK_M * r_s0
-        out_ptr += g * BLOCK_M * N_OUT
-        M -= g * BLOCK_M
+    if GROUPS:
+        x_ptr, r_ptr, res_ptr, out_ptr, M, _ = _row_group(x_ptr, r_ptr, res_ptr, out_ptr, M,
+                                                          x_s0, r_s0, N_OUT, BLOCK_M)
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
     cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     y = _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, N_OUT, x_s0, r_s0, w_sk, w_sn,
@@ -560,14 +566,10 @@ def _mlp_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, wd_ptr, acc_ptr, res_ptr, zero_ptr,
     [g * BLOCK_M, (g + 1) * BLOCK_M) with the same weight slice (the second group's read
     mostly from L2); only group 0 clears `zero_ptr`."""
     j = tl.program_id(0)
-    g = 0
-    if GROUPS:                                   # row group g: its rows' pointers and count
-        g = tl.program_id(1)
-        x_ptr += g * BLOCK_M * x_s0
-        r_ptr += g * BLOCK_M * r_s0
-        res_ptr += g * BLOCK_M * r_s0
-        acc_ptr += g * BLOCK_M * acc_s0
-        M -= g * BLOCK_M
+    row0 = 0
+    if GROUPS:
+        x_ptr, r_ptr, res_ptr, acc_ptr, M, row0 = _row_group(x_ptr, r_ptr, res_ptr, acc_ptr, M,
+                                                             x_s0, r_s0, acc_s0, BLOCK_M)
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
     cols = (j * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
@@ -577,7 +579,7 @@ def _mlp_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, wd_ptr, acc_ptr, res_ptr, zero_ptr,
     a = _gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, I, x_s0, r_s0, w_sk, w_sn, eps,
                    j, rows, cols, w_ptr.dtype.element_ty, True, HAS_RESIDUAL, True, BLOCK_M,
                    BLOCK_N, BLOCK_K, BY_HAND, USE_GDC, False, IEEE, ROW2).to(tl.float32)
-    if g == 0:
+    if row0 == 0:                                # (group 0 only)
         z = j * ZBLOCK + tl.arange(0, ZBLOCK)
         tl.store(zero_ptr + z, tl.zeros([ZBLOCK], tl.float32), mask=z < n_zero)
     wf = wd.to(tl.float32)
@@ -809,15 +811,11 @@ def _gemv_rope_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, res_ptr, M, K, x_s0, r_s0, w_
     program (j, g) takes rows [g * BLOCK_M, (g + 1) * BLOCK_M)."""
     j = tl.program_id(0)
     row0 = 0
-    if GROUPS:                                   # row group g: its rows' pointers and count
-        row0 = tl.program_id(1) * BLOCK_M
-        x_ptr += row0 * x_s0
-        r_ptr += row0 * r_s0
-        res_ptr += row0 * r_s0
+    if GROUPS:
+        x_ptr, r_ptr, res_ptr, q_ptr, M, row0 = _row_group(x_ptr, r_ptr, res_ptr, q_ptr, M,
+                                                           x_s0, r_s0, H * D, BLOCK_M)
         pos_ptr += row0 * p_s0
         loc_ptr += row0 * l_s0
-        q_ptr += row0 * (H * D)
-        M -= row0
     rows = tl.arange(0, BLOCK_M).to(tl.int64)
     rm = rows < M
     NQKV: tl.constexpr = (H + 2 * HKV) * D
