@@ -12,6 +12,8 @@
   gemv2:     a bare Triton matrix-vector kernel over its tilings against cuBLAS at M = 1.
   gemvdot:   the gemv kernel's tensor-core tile (5-16 rows) over its tilings against cuBLAS
              and cuBLAS with the glue kernels, SmolLM2's matmuls at M = 6, 8, 16.
+  gemvgroups: the same at M = 6, 8 in row groups of the 4-row register tile
+             (fused.GEMV_GROUP_MAX_ROWS, 2026-12-07: a verify layer in four launches).
 
     PYTHONPATH=. python3 bench/explore_h200.py OUT_DIR [--parts matmul,attention,chain]
 """
@@ -138,6 +140,19 @@ def part_gemvdot() -> list[dict]:
     tree's 8 or 16, decode batches of 8 and 16) on SmolLM2's matmuls, over its tilings."""
     return _gemv_sweep(lambda name: (6, 16) if name.startswith("smollm2") else (),
                        (16, 32), (64, 128, 256), (2, 4))
+
+
+def part_gemvgroups() -> list[dict]:
+    """The register tile in row groups for 6 and 8 rows (S5's and S7's verify windows at
+    batch 1) on SmolLM2's matmuls, over its column blocks, against cuBLAS (+ glue)."""
+    from eaglekv.kernels import fused
+    was = fused.GEMV_GROUP_MAX_ROWS
+    fused.GEMV_GROUP_MAX_ROWS = 8
+    try:
+        return _gemv_sweep(lambda name: (6, 8) if name.startswith("smollm2")
+                           and "lm_head" not in name else (), (2, 4, 8), (1024, 2048), (4, 8))
+    finally:
+        fused.GEMV_GROUP_MAX_ROWS = was
 
 
 def _gemv_sweep(rows_of, block_ns, block_ks, warps) -> list[dict]:

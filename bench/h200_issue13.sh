@@ -222,14 +222,19 @@ PY
       BATCHES=${BATCHES:-1,4,16,64} TESTS_TIMEOUT=1 SKIP_8B=${SKIP_8B:-1} "$0" rnd
     ;;
   draft)
-    # 2026-12-07 (twenty-second session, for the next loan; no staging): the speculative
-    # step's levers built without a GPU on the random model: the draft's layer in the gemv
-    # layout (`_dgemv`), chains of twice the steps (`_sx2`), both; then their GPU tests
-    # and the MLP in one launch up to 8 rows (`_mlp8`, with merge + o to 8: `_mlp8_mo8`)
-    # and the qkv of 5-8 rows in the gemv's row groups (`_g8`: with `_mlp8_mo8` a verify layer
-    # of S7 at batch 1 is four launches)
+    # 2026-12-07 (twenty-second session, for the next loan; no staging, ~9 min): the
+    # speculative step's levers built without a GPU. First the verify window's kernels alone
+    # (~3 min): the MLP at 8 rows (fused in row groups, the unfused gemvs in row groups,
+    # cuBLAS + glue), each SmolLM2 matmul at 6 / 8 rows in row groups against cuBLAS (+ glue);
+    # then on the random model (`rnd`): the draft's layer in the gemv layout (`_dgemv`),
+    # chains of twice the steps (`_sx2`), the MLP and merge + o to 8 rows (`_mlp8_mo8`), the
+    # qkv in row groups (`_g8`), all three (`_g8_mlp8_mo8`, a verify layer in four launches),
+    # and with `_dgemv`; then their GPU tests
+    timeout 90 python3 bench/explore_mlp.py --rows 8 --out "$OUT/explore_mlp8.json" 2>&1 | tail -14
+    timeout 120 python3 bench/explore_h200.py "$OUT/explore" --parts gemvgroups 2>&1 | tail -12
     MODES=${MODES:-plain,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_dgemv,eagle3_chain_S7K1N8_sx2,eagle3_chain_S7K1N8_mlp8_mo8,eagle3_chain_S7K1N8_g8,eagle3_chain_S7K1N8_g8_mlp8_mo8,eagle3_chain_S7K1N8_g8_mlp8_mo8_dgemv,eagle3_chain_S3K1N4,eagle3_chain_S3K1N4_dgemv} \
-      BATCHES=${BATCHES:-1,4,64} TESTS_TIMEOUT=${TESTS_TIMEOUT:-150} SKIP_8B=${SKIP_8B:-1} \
+      BATCHES=${BATCHES:-1,4,64} REPEATS=${REPEATS:-2} BENCH_TIMEOUT=${BENCH_TIMEOUT:-250} \
+      TESTS_TIMEOUT=${TESTS_TIMEOUT:-90} SKIP_8B=${SKIP_8B:-1} \
       TESTS_FILES="tests/engine/test_triton_backend.py tests/speculative/test_graph_buffers.py tests/kernels/test_fused_mlp.py tests/kernels/test_gemv_rope.py tests/kernels/test_fused_triton.py" \
       TESTS_K="draft_layer or chain_x or fused_mlp or row_groups" "$0" rnd
     ;;
