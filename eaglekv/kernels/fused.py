@@ -365,7 +365,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # turns it off): with both fusions on, the GPU suite's speculative, graph, fault and fusion
 # files passed on an H100 (166 tests; the 5 spec failures of the session before were a test
 # helper's stale copy of down), and plain batch 1 ran 1.18x (2080 against 1767 tok/s, random
-# model, gpu_bench_h100_20261207_fused_on.json). The atomics' order varies, so fp32 sums are
+# model, gpu_bench_h100_20261207b_fused_rnd.json; 2073 against 1759 on the real weights,
+# gpu_bench_h100_20261207b_fused_default.json). The atomics' order varies, so fp32 sums are
 # not bit-stable from run to run (as cuBLAS's split-K is not). Read when a model is built
 # (it keeps down by rows and the accumulators) and at each forward.
 FUSE_MLP = os.environ.get("EAGLEKV_FUSE_MLP", "1") == "1"
