@@ -452,3 +452,17 @@ def test_decode_prefetch_equals_torch(tiny_dir, reference, monkeypatch, speculat
     assert not any(early)                    # over the checked table copy only
     # a speculative engine's decode-kernel calls are verifies and draft steps: none early
     assert (len(early) > 0) == (not speculative)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU build")
+def test_the_fusions_defaults_leave_the_cpu_build_alone(tiny_dir, monkeypatch):
+    """The fused MLP and merge + o are on by default (2026-12-07), for CUDA builds only: a
+    CPU engine keeps no row copy of down and no accumulators, and the fused kernels never
+    run (the CPU path unchanged)."""
+    from eaglekv.kernels import fused
+    monkeypatch.setattr(fused, "FUSE_MLP", True)             # as by default
+    monkeypatch.setattr(fused, "MERGE_O", True)
+    engine = tiny_engine(tiny_dir, max_running_requests=2)
+    assert engine.model._acc is None
+    assert all(layer.down_rows is None and layer.mlp_acc is None and layer.o_acc is None
+               for layer in engine.model.layers)
