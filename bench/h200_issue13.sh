@@ -22,7 +22,9 @@
 #                                 # plain against them (rnd), the one-row gemv form, explore_mlp
 #   bench/h200_issue13.sh draft   # no staging: the draft's layer in the gemv layout and chains
 #                                 # of twice the steps (random model), then their GPU tests
-#   bench/h200_issue13.sh draftreal  # the same on the real model and head (staged)
+#   bench/h200_issue13.sh draftreal  # the same on the real model and head (staged): since
+#                                 # 2026-12-07 the new defaults (8-row verify, draft gemv)
+#                                 # against the old, plain at batch 1 / 2 / 4 / 8 / 64
 #   bench/h200_issue13.sh gate    # the adaptive default (S7 behind a gate) vs before it: held-out
 #                                 # prompts at batch 1 and 4, the bench prompt at 1-64
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
@@ -239,10 +241,14 @@ PY
       TESTS_K="draft_layer or chain_x or fused_mlp or row_groups" "$0" rnd
     ;;
   draftreal)
-    # the same on the real model and the shipped EAGLE-3 head (stage both first, as `table`)
-    MODES=${MODES:-plain,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_dgemv,eagle3_chain_S7K1N8_g8_mlp8_mo8,eagle3_chain_S7K1N8_g8_mlp8_mo8_dgemv,adaptive_eagle3,adaptive_eagle3_g8_mlp8_mo8_dgemv} \
-      BATCHES=${BATCHES:-1,4,64} REPEATS=${REPEATS:-2} FLOOR=0 LLAMA8B=" " \
-      BENCH_TIMEOUT=${BENCH_TIMEOUT:-400} "$0" bench
+    # the same on the real model and the shipped EAGLE-3 head (stage both first, as `table`).
+    # 2026-12-07 (twenty-third session): the 8-row verify and the draft's gemv layer are the
+    # default since (timed on the random model only): the modes compare the new defaults with
+    # the old (`_nog8_mlp1_mo4_nodgemv`), plain at batch 2 and 8 too (5-8 rows take the row
+    # groups now; `plain_nog8` as before)
+    MODES=${MODES:-plain,plain_nog8,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_nog8_mlp1_mo4_nodgemv,eagle3_chain_S5K1N6,eagle3_chain_S5K1N6_nog8_mlp1_mo4_nodgemv,eagle3_chain_S3K1N4,eagle3_chain_S3K1N4_nodgemv,adaptive_eagle3,adaptive_eagle3_nog8_mlp1_mo4_nodgemv} \
+      BATCHES=${BATCHES:-1,2,4,8,64} REPEATS=${REPEATS:-2} FLOOR=0 LLAMA8B=" " \
+      BENCH_TIMEOUT=${BENCH_TIMEOUT:-560} "$0" bench
     ;;
   gate)
     # 2026-12-06 (sixteenth session): the adaptive default with the 7-step chain behind its

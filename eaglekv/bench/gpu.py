@@ -292,6 +292,14 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
                  # a verify layer of S7 at batch 1 in four launches, like a decode's
                  for x in ("sx2", "sx3", "dgemv", "dgemv_sx2", "mlp8", "mlp8_mo8",
                            "mlp8_mo8_dgemv", "g8", "g8_mlp8_mo8", "g8_mlp8_mo8_dgemv")},
+              # the verify window and the draft as they were before 2026-12-07's flip
+              # (`_nog8`: no row groups, `_mlp1`: the fused MLP for one row, `_mo4`: merge +
+              # o to four rows, `_nodgemv`: the draft's layer with cuBLAS): `_v4` below is all
+              # three of the verify's; plain at batch 5-8 is what `plain_nog8` compares
+              **{f"{m}_{x}": MODES[m] for m in ("eagle3_chain_S3K1N4", "eagle3_chain_S5K1N6",
+                                                "eagle3_chain_S7K1N8", "adaptive_eagle3")
+                 for x in ("nodgemv", "nog8_mlp1_mo4", "nog8_mlp1_mo4_nodgemv")},
+              "plain_nog8": None, "plain_nog8_mlp1_mo4": None,
               "eagle3_chain_S5K1N6_g8_mlp8_mo8": MODES["eagle3_chain_S5K1N6"],
               "eagle3_chain_S5K1N6_mlp8": MODES["eagle3_chain_S5K1N6"],
               "eagle3_chain_S5K1N6_mlp8_mo8": MODES["eagle3_chain_S5K1N6"], "plain_mlp8": None})
@@ -311,7 +319,7 @@ VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8"
             "_sp4", "_gp1", "_nogrope", "_nopg", "_nocap", "_dot", "_nodot", "_vdec",
             "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg", "_dpf",
             "_bk2k", "_fmlp", "_fmlp4", "_fmlp16", "_mo", "_nofuse", "_r3d", "_r2d", "_fuse",
-            "_mo8", "_sx2", "_sx3", "_dgemv", "_mlp8", "_g8")
+            "_mo8", "_sx2", "_sx3", "_dgemv", "_mlp8", "_g8", "_nodgemv", "_nog8", "_mo4")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -322,6 +330,10 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "dgemv": ("eaglekv.kernels.fused", "DRAFT_GEMV", True),
                    "mlp8": ("eaglekv.kernels.fused", "FUSE_MLP_MAX_ROWS", 8),
                    "g8": ("eaglekv.kernels.fused", "GEMV_GROUP_MAX_ROWS", 8),
+                   "nog8": ("eaglekv.kernels.fused", "GEMV_GROUP_MAX_ROWS", 0),
+                   "mlp1": ("eaglekv.kernels.fused", "FUSE_MLP_MAX_ROWS", 1),
+                   "mo4": ("eaglekv.kernels.fused", "MERGE_O_MAX_ROWS", 4),
+                   "nodgemv": ("eaglekv.kernels.fused", "DRAFT_GEMV", False),
                    "sx2": ("eaglekv.speculative.eagle_worker", "SPEC_CHAIN_X", 2.0),
                    "sx3": ("eaglekv.speculative.eagle_worker", "SPEC_CHAIN_X", 3.0),
                    # the gemv's one-row products in the weight tile's layout (`_r2d`, off

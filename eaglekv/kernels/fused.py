@@ -219,9 +219,14 @@ GEMV_DOT_MAX_ROWS = 0 if os.environ.get("EAGLEKV_GEMV_DOT", "0") == "0" else 16
 # cuBLAS at 6 rows; with the MLP (`FUSE_MLP_MAX_ROWS`) and merge + o (`MERGE_O_MAX_ROWS`) up
 # to 8 rows too, a verify layer of S7 at batch 1 is four launches like the decode's (qkv +
 # norm + RoPE + store, attention, merge + o, the MLP) where it is ten. Built 2026-12-07
-# without a GPU: off (0) until timed (EAGLEKV_GEMV_GROUP_ROWS=8; the bench's `_g8` modes).
+# without a GPU; timed the same day on an H100 (random SmolLM2-shaped model and EAGLE-3 head,
+# one process, bench/results/gpu_bench_h100_20261207c_verify_draft_rnd.json): S7 at batch 1
+# 638.7 steps/s against 611.7 with the three 8-row settings (1.044x; 1500 kernels a profiled
+# window against 2200), 659.4 with the draft's gemv layer too (1.078x); batch 4 unchanged
+# (2251 / 2263 against 2260). On by default since (8; EAGLEKV_GEMV_GROUP_ROWS=0: off, the
+# bench's `_nog8`). Not timed: plain decoding at batch 5-8, which these rows take too.
 # Read at each forward (graphs capture it).
-GEMV_GROUP_MAX_ROWS = int(os.environ.get("EAGLEKV_GEMV_GROUP_ROWS", "0"))
+GEMV_GROUP_MAX_ROWS = int(os.environ.get("EAGLEKV_GEMV_GROUP_ROWS", "8"))
 # On by default on CUDA since 2026-12-05 for the matmuls it carries glue with: at the tiling of
 # `fused_triton.GEMV_CONFIG` the kernel with the add + RMSNorm prologue runs SmolLM2's qkv in
 # 3.3 us where cuBLAS and the separate norm kernel take 5.4, gate_up with SiLU*mul 4.8 against
@@ -248,9 +253,12 @@ FUSE_GEMV: bool | None = {"0": False, "1": True}.get(os.environ.get("EAGLEKV_GEM
 # forwards (batch 1 chains: each draft step) then take the gemv kernel and its norm prologue /
 # SiLU epilogue, as the target's decode does, instead of cuBLAS with separate add + RMSNorm and
 # SiLU*mul launches (an H100, 2026-12-07, S7 at batch 1: the draft's 7 forwards a step ran
-# 4 cuBLAS matmuls of ~3.7 us and 2 more launches each). Off until timed (the bench's
-# `_dgemv` modes; EAGLEKV_DRAFT_GEMV=1). Read when a draft model is built, on CUDA.
-DRAFT_GEMV = os.environ.get("EAGLEKV_DRAFT_GEMV", "0") == "1"
+# 4 cuBLAS matmuls of ~3.7 us and 2 more launches each). Timed on an H100 on 2026-12-07
+# (random model and head, gpu_bench_h100_20261207c_verify_draft_rnd.json): the draft phase of
+# an S7 step 0.885 -> 0.546 ms; S7 at batch 1 1.026x, S3 1.013x, batch 4 1.003x / 1.004x.
+# On by default since (EAGLEKV_DRAFT_GEMV=0: off, the bench's `_nodgemv`). Read when a
+# draft model is built, on CUDA.
+DRAFT_GEMV = os.environ.get("EAGLEKV_DRAFT_GEMV", "1") == "1"
 
 
 def gemv_on(device: torch.device, fused: bool = True) -> bool:
@@ -308,13 +316,20 @@ def _weight_fits(w: torch.Tensor, fused: bool) -> bool:
     return all(b is None or nbytes <= b for b in bounds)
 
 
+def gemv_max_rows() -> int:
+    """The most rows a matmul may have for the gemv kernel to take it: its register tile
+    (GEMV_MAX_ROWS), the row groups of that tile (GEMV_GROUP_MAX_ROWS, 8 by default) or the
+    tensor-core tile (GEMV_DOT_MAX_ROWS, off by default)."""
+    return max(GEMV_MAX_ROWS, GEMV_DOT_MAX_ROWS, GEMV_GROUP_MAX_ROWS)
+
+
 def use_gemv(x: torch.Tensor, w: torch.Tensor, fused: bool = False) -> bool:
     """The gemv kernel takes this matmul: on for it (`gemv_on`; `fused`: with the norm
-    prologue), a decode-sized x (M <= GEMV_MAX_ROWS; 2 rows or more only where K <
+    prologue), a decode-sized x (M <= `gemv_max_rows()`; 2 rows or more only where K <
     GEMV_ROWS_MAX_K) on a Triton device, a column-major w (see `column_major`) within the
     weight bounds (`_weight_fits`)."""
     return (gemv_on(x.device, fused) and x.dim() == 2
-            and 0 < x.shape[0] <= max(GEMV_MAX_ROWS, GEMV_DOT_MAX_ROWS, GEMV_GROUP_MAX_ROWS)
+            and 0 < x.shape[0] <= gemv_max_rows()
             and (x.shape[0] == 1 or GEMV_ROWS_MAX_K is None or x.shape[1] < GEMV_ROWS_MAX_K)
             and w.dim() == 2 and w.stride(0) == 1 and w.shape[1] > 1 and use_triton(x)
             and _weight_fits(w, fused))
@@ -370,10 +385,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # not bit-stable from run to run (as cuBLAS's split-K is not). Read when a model is built
 # (it keeps down by rows and the accumulators) and at each forward.
 FUSE_MLP = os.environ.get("EAGLEKV_FUSE_MLP", "1") == "1"
-FUSE_MLP_MAX_ROWS = int(os.environ.get("EAGLEKV_FUSE_MLP_MAX_ROWS", "1"))
-# the fused MLP kernel's rows: a register tile of 4 (fused_triton.MLP_ROW_GROUP), 5-8 rows in
-# two row groups of programs over the same weight slices (a verify of S5 / S7 at batch 1:
-# EAGLEKV_FUSE_MLP_MAX_ROWS=8, the bench's `_mlp8` modes; untimed, 2026-12-07)
+FUSE_MLP_MAX_ROWS = int(os.environ.get("EAGLEKV_FUSE_MLP_MAX_ROWS", "8"))
+# (FUSE_MLP_MAX_ROWS: forwards of at most this many tokens take it; 8 by default since
+# 2026-12-07 with GEMV_GROUP_MAX_ROWS above, whose figures they are; =1 as before: the
+# bench's `_mlp1`.) The fused MLP kernel's rows: a register tile of 4
+# (fused_triton.MLP_ROW_GROUP), 5-8 rows in two row groups of programs over the same weight
+# slices (a verify of S5 / S7 at batch 1)
 MLP_KERNEL_MAX_ROWS = 8
 MLP_MAX_ROWS = 8                    # rows of the accumulators (merge + o takes up to 8)
 MLP_MAX_WEIGHT_BYTES = 16 << 20     # gate_up + down; larger MLPs stream at the bandwidth
@@ -453,8 +470,9 @@ def fused_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
 MERGE_O = os.environ.get("EAGLEKV_MERGE_O", "1") == "1"
 # forwards of at most this many tokens (<= MLP_MAX_ROWS); 8 takes S5 / S7 verifies at batch 1
 # too, whose gate_up (cuBLAS from 5 rows) then follows the Triton add + RMSNorm of the fp32
-# x (built 2026-12-07 without a GPU: the bench's `_mo8` modes; EAGLEKV_MERGE_O_MAX_ROWS=8)
-MERGE_O_MAX_ROWS = int(os.environ.get("EAGLEKV_MERGE_O_MAX_ROWS", "4"))
+# x (built 2026-12-07 without a GPU; 8 by default since the same day's timing, with
+# GEMV_GROUP_MAX_ROWS above; EAGLEKV_MERGE_O_MAX_ROWS=4 as before: the bench's `_mo4`)
+MERGE_O_MAX_ROWS = int(os.environ.get("EAGLEKV_MERGE_O_MAX_ROWS", "8"))
 MERGE_O_MAX_WEIGHT_BYTES = 8 << 20   # o of SmolLM2 is 0.66 MB; an 8B's 32 MB streams as it is
 
 

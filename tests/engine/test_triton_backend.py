@@ -456,13 +456,27 @@ def test_decode_prefetch_equals_torch(tiny_dir, reference, monkeypatch, speculat
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU build")
 def test_the_fusions_defaults_leave_the_cpu_build_alone(tiny_dir, monkeypatch):
-    """The fused MLP and merge + o are on by default (2026-12-07), for CUDA builds only: a
-    CPU engine keeps no row copy of down and no accumulators, and the fused kernels never
-    run (the CPU path unchanged)."""
+    """The fused MLP and merge + o are on by default (2026-12-07), up to 8 rows with the
+    gemv's row groups, and the draft's layer in the gemv layout, for CUDA builds only: a
+    CPU engine keeps no row copy of down and no accumulators, its draft's weights stay in
+    nn.Linear's transpose (no gemv layout), the fused kernels never run (the CPU path
+    unchanged), and speculative greedy still equals plain."""
     from eaglekv.kernels import fused
-    monkeypatch.setattr(fused, "FUSE_MLP", True)             # as by default
-    monkeypatch.setattr(fused, "MERGE_O", True)
-    engine = tiny_engine(tiny_dir, max_running_requests=2)
-    assert engine.model._acc is None
-    assert all(layer.down_rows is None and layer.mlp_acc is None and layer.o_acc is None
-               for layer in engine.model.layers)
+    for attr, value in (("FUSE_MLP", True), ("MERGE_O", True), ("DRAFT_GEMV", True),
+                        ("GEMV_GROUP_MAX_ROWS", 8), ("FUSE_MLP_MAX_ROWS", 8),
+                        ("MERGE_O_MAX_ROWS", 8)):               # as by default
+        monkeypatch.setattr(fused, attr, value)
+    plain = tiny_engine(tiny_dir, max_running_requests=2)
+    engine = tiny_engine(tiny_dir, max_running_requests=2, speculative=spec("eagle", 3, 1, 4))
+    for model in (plain.model, engine.model):
+        assert model._acc is None
+        assert all(layer.down_rows is None and layer.mlp_acc is None and layer.o_acc is None
+                   for layer in model.layers)
+    draft = engine.runner.drafter.model
+    assert all(getattr(draft.layer, n).stride(1) == 1 for n in ("qkv", "o", "gate_up", "down"))
+    for name in ("gemv_triton", "gemv_rope_store_triton", "mlp_triton"):
+        monkeypatch.setattr(fused._triton_impl(), name, lambda *a, _n=name: pytest.fail(_n))
+    ref = [o.token_ids for o in plain.generate(PROMPTS[:2], SP)]
+    assert [o.token_ids for o in engine.generate(PROMPTS[:2], SP)] == ref
+    engine.check_memory()
+    assert engine.allocator.is_full()

@@ -640,7 +640,7 @@ def test_gemv_matches_reference(M, K, N, dtype, prologue, silu, layout, monkeypa
     w = randn(K, N, dtype=dtype, seed=4, scale=K ** -0.5)
     if layout == "column_major":
         w = fused.column_major(w)
-        assert w.stride(0) == 1 and fused.use_gemv(x, w) == (M <= fused.GEMV_MAX_ROWS)
+        assert w.stride(0) == 1 and fused.use_gemv(x, w) == (M <= fused.gemv_max_rows())
     if prologue == "none":
         if silu:
             pytest.skip("gemv alone has no SiLU epilogue")
@@ -661,12 +661,20 @@ def test_gemv_matches_reference(M, K, N, dtype, prologue, silu, layout, monkeypa
 
 
 def test_gemv_rows_limits(monkeypatch):
-    """Up to GEMV_MAX_ROWS rows the register tile; 5-16 rows the tensor-core tile, taken only
-    while GEMV_DOT_MAX_ROWS allows (off by default until measured); never 17 rows."""
+    """Up to GEMV_MAX_ROWS rows the register tile; without its row groups
+    (GEMV_GROUP_MAX_ROWS 0) 5-16 rows the tensor-core tile, taken only while GEMV_DOT_MAX_ROWS
+    allows (off by default until measured); never 17 rows. By default (row groups to 8 rows)
+    5-8 rows the register tile's row groups, 9 rows the library."""
     from eaglekv.kernels import fused
     ft = fused._triton_impl()
     monkeypatch.setattr(fused, "FUSE_GEMV", True)
     w = fused.column_major(randn(64, 32, seed=4))
+    if "EAGLEKV_GEMV_GROUP_ROWS" not in os.environ:
+        assert fused.GEMV_GROUP_MAX_ROWS == 8 and fused.GEMV_DOT_MAX_ROWS == 0
+    monkeypatch.setattr(fused, "GEMV_GROUP_MAX_ROWS", 8)
+    assert [fused.use_gemv(randn(M, 64), w) for M in (4, 5, 8, 9)] == [True] * 3 + [False]
+    assert [ft.gemv_tiling(M, 64)[4] for M in (5, 8, 9)] == [False, False, True]
+    monkeypatch.setattr(fused, "GEMV_GROUP_MAX_ROWS", 0)
     assert [ft.gemv_tiling(M, 64)[4] for M in (1, 4, 5, 16)] == [False, False, True, True]
     assert ft.gemv_tiling(5, 64)[0] == 16 and ft.gemv_tiling(16, 64)[0] == 16
     monkeypatch.setattr(fused, "GEMV_DOT_MAX_ROWS", 0)
@@ -680,11 +688,12 @@ def test_gemv_rows_limits(monkeypatch):
 def test_gemv_row_groups_match_the_reference(M, monkeypatch):
     """5-8 rows in row groups of the 4-row register tile (`fused.GEMV_GROUP_MAX_ROWS`): the
     matmul takes them (`use_gemv`), two groups of programs, and every prologue / epilogue
-    equals the reference (the residual exact); off (0, the default) they go to the
+    equals the reference (the residual exact); off (0; 8 by default) they go to the
     tensor-core tile when it is on, else to the library."""
     from eaglekv.kernels import fused
     ft = fused._triton_impl()
     monkeypatch.setattr(fused, "FUSE_GEMV", True)
+    monkeypatch.setattr(fused, "GEMV_GROUP_MAX_ROWS", 0)
     w = fused.column_major(randn(64, 32, seed=4))
     assert not fused.use_gemv(randn(M, 64), w) and ft.gemv_tiling(M, 64)[4]
     monkeypatch.setattr(fused, "GEMV_GROUP_MAX_ROWS", 8)
@@ -727,7 +736,8 @@ def test_gemv_wide_rows_take_more_rows_a_program(monkeypatch):
         base, base, ft.GEMV_WIDE_BLOCK_N, ft.GEMV_WIDE_BLOCK_N]
     assert ft.gemv_tiling(2, 4096)[1] == ft.gemv_tiling(4, 4096)[1] == base != ft.GEMV_WIDE_BLOCK_N
     assert ft.gemv_tiling(1, 4096, block_n=2)[1] == 2
-    assert ft.gemv_tiling(6, 4096)[1] == ft.GEMV_DOT_CONFIG["block_n"]   # the 5-16 row tile
+    monkeypatch.setattr(fused, "GEMV_GROUP_MAX_ROWS", 0)  # without row groups: the dot tile
+    assert ft.gemv_tiling(6, 4096)[1] == ft.GEMV_DOT_CONFIG["block_n"]   # for 5-16 rows
     monkeypatch.setattr(ft, "GEMV_WIDE_K", 256)           # a small K through the wide tiling
     assert ft.gemv_tiling(1, 300)[1] == ft.GEMV_WIDE_BLOCK_N
     _gemv_matches_reference(1)
@@ -776,8 +786,8 @@ def test_gemv_takes_only_decode_rows_of_column_major_weights(monkeypatch):
     from eaglekv.kernels import fused
     monkeypatch.setattr(fused, "FUSE_GEMV", True)
     w = fused.column_major(randn(64, 32))
-    assert fused.use_gemv(randn(fused.GEMV_MAX_ROWS, 64), w)
-    assert not fused.use_gemv(randn(fused.GEMV_MAX_ROWS + 1, 64), w)      # cuBLAS from 5 rows
+    assert fused.use_gemv(randn(fused.gemv_max_rows(), 64), w)
+    assert not fused.use_gemv(randn(fused.gemv_max_rows() + 1, 64), w)    # cuBLAS from 9 rows
     assert not fused.use_gemv(randn(1, 64), randn(64, 32))                # (in, out) rows
     monkeypatch.setattr(fused, "FUSE_GEMV", False)
     assert not fused.use_gemv(randn(1, 64), w)
