@@ -25,6 +25,8 @@
 #   bench/h200_issue13.sh draftreal  # the same on the real model and head (staged): since
 #                                 # 2026-12-07 the new defaults (8-row verify, draft gemv)
 #                                 # against the old, plain at batch 1 / 2 / 4 / 8 / 64
+#   bench/h200_issue13.sh plainreal  # no head needed: the 8B row, plain vs `plain_nog8` at
+#                                 # batch 1-64, HF, the floor (the call carrying part b)
 #   bench/h200_issue13.sh gate    # the adaptive default (S7 behind a gate) vs before it: held-out
 #                                 # prompts at batch 1 and 4, the bench prompt at 1-64
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
@@ -249,6 +251,14 @@ PY
     MODES=${MODES:-plain,plain_nog8,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_nog8_mlp1_mo4_nodgemv,eagle3_chain_S5K1N6,eagle3_chain_S5K1N6_nog8_mlp1_mo4_nodgemv,eagle3_chain_S3K1N4,eagle3_chain_S3K1N4_nodgemv,adaptive_eagle3,adaptive_eagle3_nog8_mlp1_mo4_nodgemv} \
       BATCHES=${BATCHES:-1,2,4,8,64} REPEATS=${REPEATS:-2} FLOOR=0 LLAMA8B=" " \
       BENCH_TIMEOUT=${BENCH_TIMEOUT:-560} "$0" bench
+    ;;
+  plainreal)
+    # 2026-12-07 (twenty-third session, for the next loan): what needs the model but not a
+    # head, for the call that carries the model's second half (.carry/smollm2/b and
+    # .carry/graph_floor.py): the 8B row first, then plain as shipped against the row groups
+    # off (`plain_nog8`: 5-8 rows to cuBLAS as before 2026-12-07) at batch 1-64, HF, the floor
+    MODES=${MODES:-plain,plain_nog8} BATCHES=${BATCHES:-1,2,4,8,16,64} REPEATS=${REPEATS:-2} \
+      BENCH_TIMEOUT=${BENCH_TIMEOUT:-500} "$0" bench
     ;;
   gate)
     # 2026-12-06 (sixteenth session): the adaptive default with the 7-step chain behind its
