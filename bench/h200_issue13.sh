@@ -27,6 +27,8 @@
 #                                 # against the old, plain at batch 1 / 2 / 4 / 8 / 64
 #   bench/h200_issue13.sh plainreal  # no head needed: the 8B row, plain vs `plain_nog8` at
 #                                 # batch 1-64, HF, the floor (the call carrying part b)
+#   bench/h200_issue13.sh waves   # staged as draftreal: the fixed shapes and the adaptive default
+#                                 # with B in flight, B x 4 in all (no drain to one straggler)
 #   bench/h200_issue13.sh gate    # the adaptive default (S7 behind a gate) vs before it: held-out
 #                                 # prompts at batch 1 and 4, the bench prompt at 1-64
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
@@ -259,6 +261,17 @@ PY
     # off (`plain_nog8`: 5-8 rows to cuBLAS as before 2026-12-07) at batch 1-64, HF, the floor
     MODES=${MODES:-plain,plain_nog8} BATCHES=${BATCHES:-1,2,4,8,16,64} REPEATS=${REPEATS:-2} \
       BENCH_TIMEOUT=${BENCH_TIMEOUT:-500} "$0" bench
+    ;;
+  waves)
+    # 2026-12-07 (twenty-fourth session, for the next loan; stage the model and the EAGLE-3
+    # head as `draftreal`): from batch 8 on, the one-batch bench drains to its slowest request
+    # and S3 beat S7 (17497 vs 13935 tok/s at b8, H100) while the adaptive default ran S7 / S5
+    # (13585). With B requests in flight and B x WAVES in all (a finished one's place refilled
+    # at once, as a server's) the drain is one wave's tail of WAVES: does the default's choice
+    # hold there, and does S3 still win?
+    MODES=${MODES:-plain,eagle3_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_chain_S7K1N8,adaptive_eagle3} \
+      BATCHES=${BATCHES:-4,8,16} WAVES=${WAVES:-4} REPEATS=${REPEATS:-2} FLOOR=0 LLAMA8B=" " \
+      BENCH_TIMEOUT=${BENCH_TIMEOUT:-540} "$0" bench
     ;;
   gate)
     # 2026-12-06 (sixteenth session): the adaptive default with the 7-step chain behind its
