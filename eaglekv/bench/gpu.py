@@ -506,7 +506,12 @@ def timed_generate(engine: Engine, ps: list[list[int]], n: int,
     `concurrency`: at most that many requests in flight, a new one added as soon as one
     finishes (continuous batching, as a server under load or vLLM's and SGLang's throughput
     benchmarks run it); the later waves' prefills then count among the decode steps. None:
-    every request at once, the batch ending with its slowest request."""
+    every request at once, the batch ending with its slowest request.
+
+    The phases also count the decode steps that began with every one of the `c` places
+    decoding (`full_batch_steps`, their `full_batch_ms` and the `full_batch_tokens` they
+    made): without waves a batch drains to its slowest request, and a shape that drafts
+    deep pays for that in the tail (SGLang's `bench_one_batch` times full-batch steps)."""
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
     c = len(ps) if concurrency is None else concurrency
     sync()
@@ -515,11 +520,21 @@ def timed_generate(engine: Engine, ps: list[list[int]], n: int,
     walls, first = [], None
     policy = getattr(engine.worker, "policy", None)     # adaptive: what each step chose
     trace, made = [], 0
-    traced = 0.0        # the trace's own host time: left out of the run's time (only
-    while len(reqs) < len(ps) or any(not r.finished for r in reqs):   # adaptive keeps one)
+    full = [0, 0.0, 0]      # the full-batch decode steps: count, seconds, tokens made
+    made_all, live = 0, c   # tokens so far; requests decoding when the step began
+    traced = 0.0        # the trace's and the counts' own host time: left out of the run's
+    while len(reqs) < len(ps) or any(not r.finished for r in reqs):   # time
         s = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - s)
+        s = time.perf_counter()
+        now_all = sum(len(r.output_ids) for r in reqs)
+        if first is not None and live == c:
+            full[0] += 1
+            full[1] += walls[-1]
+            full[2] += now_all - made_all
+        made_all = now_all
+        traced += time.perf_counter() - s
         if policy is not None:
             s = time.perf_counter()
             now = sum(len(r.output_ids) for r in reqs)
@@ -544,6 +559,7 @@ def timed_generate(engine: Engine, ps: list[list[int]], n: int,
         while running < c and len(reqs) < len(ps):
             reqs.append(engine.add_request(ps[len(reqs)], params))
             running += 1
+        live = running
     failed = [r for r in reqs if r.error is not None]
     if failed:
         raise failed[0].error
@@ -558,7 +574,9 @@ def timed_generate(engine: Engine, ps: list[list[int]], n: int,
               "decode_step_ms_p50": 1e3 * decode[len(decode) // 2],
               "decode_step_ms_p90": 1e3 * decode[int(0.9 * (len(decode) - 1))],
               "decode_step_ms_max": 1e3 * decode[-1],
-              "other_ms": 1e3 * (dt - sum(walls))}
+              "other_ms": 1e3 * (dt - sum(walls)),
+              "full_batch_steps": full[0], "full_batch_ms": 1e3 * full[1],
+              "full_batch_tokens": full[2]}
     if policy is not None:   # [the step's choice, tokens made, ms, engine / prior drafts] a step
         phases["step_trace"] = trace
     return len(ps) * n / dt, [o.token_ids for o in outs], phases
@@ -881,6 +899,9 @@ def run_modes(args, modes: list[str], batches: list[int]) -> dict:
             rate = decode_rate(row.get("phases", []), B, args.new_tokens, waves)
             if rate is not None:
                 row["decode_tokens_per_s"] = rate
+            rate = full_batch_rate(row.get("phases", []))
+            if rate is not None:
+                row["full_batch_tokens_per_s"] = rate
             if "plain" in toks and m != "plain":
                 same = sum(a == b for a, b in zip(toks[m][B], toks["plain"][B]))
                 row["greedy_identical_to_plain"] = f"{same}/{len(ps[B])} requests"
@@ -1375,6 +1396,16 @@ def decode_rate(phases: list[dict], batch: int, new_tokens: int,
     return statistics.median(batch * (new_tokens - 1) / (p["decode_ms"] / 1e3) for p in phases)
 
 
+def full_batch_rate(phases: list[dict]) -> float | None:
+    """Tokens a second of the decode steps that began with the whole batch decoding (the
+    median over the runs; `timed_generate`'s `full_batch_*`): the batch's rate before it
+    drains to its slowest request. None where a run had no such step."""
+    if not phases or any(p.get("full_batch_ms", 0) <= 0 for p in phases):
+        return None
+    return statistics.median(p["full_batch_tokens"] / (p["full_batch_ms"] / 1e3)
+                             for p in phases)
+
+
 def table(result: dict, key: str = "tokens_per_s") -> str:
     """Markdown: `key` (tokens/s, or `decode_tokens_per_s`: the decode steps alone) per mode and
     batch size (x plain in brackets); a cell with a Triton compile (or cache load) inside one
@@ -1382,7 +1413,9 @@ def table(result: dict, key: str = "tokens_per_s") -> str:
     which)."""
     modes = result["modes"]
     bs = sorted({int(b) for m in modes.values() for b in m["rows"]})
-    head = "tok/s" if key == "tokens_per_s" else "decode tok/s (prefill excluded)"
+    head = {"tokens_per_s": "tok/s", "decode_tokens_per_s": "decode tok/s (prefill excluded)",
+            "full_batch_tokens_per_s": "full-batch tok/s (steps with every request decoding)"
+            }.get(key, key)
     lines = [f"| {head} | " + " | ".join(f"batch {b}" for b in bs) + " |",
              "|---" * (len(bs) + 1) + "|"]
     for name, m in modes.items():
@@ -1401,7 +1434,7 @@ def table(result: dict, key: str = "tokens_per_s") -> str:
             cells.append(f"{r[key]:.1f}{x}{jit}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     floor = result.get("floor", {}).get("smollm2_shape", {}).get("compiled_graph_tok_s")
-    if floor:
+    if floor and key != "full_batch_tokens_per_s":      # (the floor: batch 1, decode only)
         lines.append("| floor: torch.compile + one CUDA graph (same process) | "
                      + " | ".join([f"{floor:.1f}"] + [""] * (len(bs) - 1)) + " |")
     return "\n".join(lines)
@@ -1610,6 +1643,9 @@ def main(args) -> None:
     if any("decode_tokens_per_s" in r for m in result["modes"].values()
            for r in m["rows"].values()):
         print(table(result, "decode_tokens_per_s"))
+    if any("full_batch_tokens_per_s" in r and int(b) > 1 for m in result["modes"].values()
+           for b, r in m["rows"].items()):
+        print(table(result, "full_batch_tokens_per_s"))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         kind = "gpu" if args.device.startswith("cuda") else "cpu"

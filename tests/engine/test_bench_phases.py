@@ -31,6 +31,14 @@ def test_timed_generate_matches_generate_and_accounts_for_its_time(tiny_dir, kw)
     assert parts == pytest.approx(total_ms, rel=1e-6)
     assert 0 <= ph["decode_step_ms_p50"] <= ph["decode_step_ms_p90"] <= ph["decode_step_ms_max"]
     assert ph["decode_step_ms_max"] <= ph["decode_ms"] + 1e-9
+    # the decode steps that began with all three requests decoding: at least the first; all
+    # of them where every step makes the same tokens for every request (plain, chains)
+    assert 1 <= ph["full_batch_steps"] <= ph["decode_steps"]
+    assert 0 < ph["full_batch_ms"] <= ph["decode_ms"] + 1e-9
+    assert ph["full_batch_steps"] <= ph["full_batch_tokens"] <= len(PROMPTS) * (n - 1)
+    if "speculative" not in kw:
+        assert ph["full_batch_steps"] == ph["decode_steps"]
+        assert ph["full_batch_tokens"] == len(PROMPTS) * (n - 1)
     e.check_memory()
 
 
@@ -155,6 +163,8 @@ def test_timed_generate_keeps_a_concurrency(tiny_dir, kw):
     tps, toks, ph = timed_generate(e, ps, n, concurrency=2)
     assert toks == [o.token_ids for o in ref]
     assert max(seen) == 2 and len(seen) >= len(ps) * n / 2 / 4
+    # with the places refilled, the full-batch steps are all but the last wave's tail
+    assert 1 <= ph["full_batch_steps"] <= ph["decode_steps"] and ph["full_batch_tokens"] > 0
     total_ms = 1e3 * len(ps) * n / tps
     assert ph["prefill_ms"] + ph["decode_ms"] + ph["other_ms"] == pytest.approx(total_ms,
                                                                               rel=1e-6)
@@ -512,6 +522,28 @@ def test_jit_loads_names_kernels_first_launched_in_a_timed_run():
     # the launching eaglekv frames (none here: the hook was called from the test)
     assert all(d["launched_from"] == [] for d in loaded.details)
     assert knobs.runtime.jit_cache_hook is before
+
+
+def test_full_batch_rate_and_its_table():
+    """`full_batch_tokens_per_s`: the tokens of the decode steps that began with the whole
+    batch decoding over their wall, the median over the runs; none where a run had no such
+    step; its own table, without the floor (a batch-1 decode figure)."""
+    from eaglekv.bench.gpu import full_batch_rate, table
+    ph = [{"full_batch_ms": 100.0, "full_batch_tokens": 50}, {"full_batch_ms": 200.0,
+                                                              "full_batch_tokens": 300},
+          {"full_batch_ms": 50.0, "full_batch_tokens": 100}]
+    assert full_batch_rate(ph) == pytest.approx(1500.0)      # the median of 500, 1500, 2000
+    assert full_batch_rate(ph + [{"full_batch_ms": 0.0, "full_batch_tokens": 0}]) is None
+    assert full_batch_rate([]) is None
+    result = {"modes": {"plain": {"rows": {8: {"tokens_per_s": 9.0,
+                                               "full_batch_tokens_per_s": 10.0}}},
+                        "eagle3_chain_S7K1N8": {"rows": {8: {"tokens_per_s": 13.0,
+                                                             "full_batch_tokens_per_s": 25.0}}}},
+              "floor": {"smollm2_shape": {"compiled_graph_tok_s": 1100.0}}}
+    text = table(result, "full_batch_tokens_per_s")
+    assert "| full-batch tok/s (steps with every request decoding) | batch 8 |" in text
+    assert "| eagle3_chain_S7K1N8 | 25.0 (2.50x) |" in text
+    assert "floor" not in text and "floor" in table(result)
 
 
 def test_decode_rate_leaves_the_prefill_out():
