@@ -5,6 +5,7 @@ modules import those, never each other or this file."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import eaglekv  # noqa: F401  (before torch loads numpy: OpenBLAS's threads sleep, cpu_blas)
@@ -33,7 +34,18 @@ def faster_triton_interpreter():
     and lists each module's members with `inspect.getmembers` to do so, ~12% of a graph-buffer
     test's time. The member names are listed once here; each launch still patches exactly the
     members that are builtins at that moment, as Triton's own function does. Only where the
-    interpreter is on and its private functions have the shape this relies on."""
+    interpreter is on and its private functions have the shape this relies on.
+
+    Two more cuts of the interpreter's per-op cost (the suite's largest part on CI):
+    - its integer-overflow sanitizer off (`InterpreterOptions.sanitize_overflow`; a compiled
+      kernel checks overflow only in debug builds): each int32 +, - and * of a kernel became
+      ~10 more interpreted ops (a cast to int64, the op, two compares and a device assert),
+      ~25% of a graph-buffer test. The interpreted tests' offsets stay far below 2**31 (tiny
+      models, small pools), so it could not fire there; the int64 offset math is checked in
+      the generated code (tests/kernels/test_attention_codegen.py) and on the GPU.
+      `EAGLEKV_TRITON_SANITIZE_OVERFLOW=1` keeps it on;
+    - `_get_np_dtype` (a 17-entry dict built at every call, ~5%) memoised by the type's
+      class and name, which fix its result."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         yield
         return
@@ -66,8 +78,24 @@ def faster_triton_interpreter():
             member = getattr(pkg, name, None)
             if ti.tl.core.is_builtin(member):
                 ti._patch_attr(pkg, name, member, builder, scope)
+    np_dtypes: dict[tuple[type, str], object] = {}
+    get_np_dtype = ti._get_np_dtype
+
+    def cached_np_dtype(tt_dtype):
+        key = (type(tt_dtype), getattr(tt_dtype, "name", None))
+        if key[1] is None:
+            return get_np_dtype(tt_dtype)
+        if key not in np_dtypes:
+            np_dtypes[key] = get_np_dtype(tt_dtype)
+        return np_dtypes[key]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ti, "_patch_builtin", patch_builtin)
+        mp.setattr(ti, "_get_np_dtype", cached_np_dtype)
+        opts = getattr(ti.interpreter_builder, "options", None)
+        if (dataclasses.is_dataclass(opts) and hasattr(opts, "sanitize_overflow")
+                and os.environ.get("EAGLEKV_TRITON_SANITIZE_OVERFLOW") != "1"):
+            mp.setattr(ti.interpreter_builder, "options",
+                       dataclasses.replace(opts, sanitize_overflow=False))
         yield
 
 
