@@ -37,13 +37,13 @@ def faster_triton_interpreter():
     interpreter is on and its private functions have the shape this relies on.
 
     Two more cuts of the interpreter's per-op cost (the suite's largest part on CI):
-    - its integer-overflow sanitizer off (`InterpreterOptions.sanitize_overflow`; a compiled
-      kernel checks overflow only in debug builds): each int32 +, - and * of a kernel became
-      ~10 more interpreted ops (a cast to int64, the op, two compares and a device assert),
-      ~25% of a graph-buffer test. The interpreted tests' offsets stay far below 2**31 (tiny
-      models, small pools), so it could not fire there; the int64 offset math is checked in
-      the generated code (tests/kernels/test_attention_codegen.py) and on the GPU.
-      `EAGLEKV_TRITON_SANITIZE_OVERFLOW=1` keeps it on;
+    - its integer-overflow sanitizer off outside tests/kernels (`InterpreterOptions.
+      sanitize_overflow`; a compiled kernel checks overflow only in debug builds): each int32
+      +, - and * of a kernel became ~10 more interpreted ops (a cast to int64, the op, two
+      compares and a device assert), ~25% of a graph-buffer test. The engine-level tests run
+      tiny models over small pools; the kernel tests, which feed the kernels lengths and
+      slots up to 2**31 - 1, keep it (`overflow_checks_in_kernel_tests`), as do the GPU tests
+      of offsets past 2**31. `EAGLEKV_TRITON_SANITIZE_OVERFLOW=1` keeps it on everywhere;
     - `_get_np_dtype` (a 17-entry dict built at every call, ~5%) memoised by the type's
       class and name, which fix its result."""
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -96,6 +96,25 @@ def faster_triton_interpreter():
                 and os.environ.get("EAGLEKV_TRITON_SANITIZE_OVERFLOW") != "1"):
             mp.setattr(ti.interpreter_builder, "options",
                        dataclasses.replace(opts, sanitize_overflow=False))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def overflow_checks_in_kernel_tests(request, faster_triton_interpreter):
+    """The interpreter's integer-overflow sanitizer back on for the kernel tests
+    (tests/kernels): they drive the kernels with lengths, slots and positions up to 2**31 - 1,
+    where an int32 offset computed by mistake would overflow (see faster_triton_interpreter)."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or request.node.path.parent.name != "kernels":
+        yield
+        return
+    from triton.runtime import interpreter as ti
+    opts = getattr(ti.interpreter_builder, "options", None)
+    if not (dataclasses.is_dataclass(opts) and getattr(opts, "sanitize_overflow", True) is False):
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ti.interpreter_builder, "options",
+                   dataclasses.replace(opts, sanitize_overflow=True))
         yield
 
 
