@@ -36,7 +36,7 @@ def faster_triton_interpreter():
     members that are builtins at that moment, as Triton's own function does. Only where the
     interpreter is on and its private functions have the shape this relies on.
 
-    Two more cuts of the interpreter's per-op cost (the suite's largest part on CI):
+    More cuts of the interpreter's per-op cost (the suite's largest part on CI):
     - its integer-overflow sanitizer off outside tests/kernels (`InterpreterOptions.
       sanitize_overflow`; a compiled kernel checks overflow only in debug builds): each int32
       +, - and * of a kernel became ~10 more interpreted ops (a cast to int64, the op, two
@@ -45,7 +45,14 @@ def faster_triton_interpreter():
       slots up to 2**31 - 1, keep it (`overflow_checks_in_kernel_tests`), as do the GPU tests
       of offsets past 2**31. `EAGLEKV_TRITON_SANITIZE_OVERFLOW=1` keeps it on everywhere;
     - `_get_np_dtype` (a 17-entry dict built at every call, ~5%) memoised by the type's
-      class and name, which fix its result."""
+      class and name, which fix its result;
+    - a @triton.jit helper called from inside a kernel (`InterpretedFunction.__call__`)
+      patched the language again at every call, and never restored it: the launch around it
+      has patched it already (a graph-buffer test made 31,500 such calls against 675
+      launches; that test 58.6 -> 47.3 s without them). Skipped where every language module the
+      helper's module sees was patched by the launch around it, or by an earlier helper call
+      (Triton's own helper patching is never restored: triton.language's standard helpers,
+      whose module sees `tl.core`, leave it patched after their first call)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         yield
         return
@@ -54,7 +61,11 @@ def faster_triton_interpreter():
 
         from triton.runtime import interpreter as ti
         ok = (list(inspect.signature(ti._patch_builtin).parameters) == ["pkg", "builder", "scope"]
-              and callable(getattr(ti, "_patch_attr", None)) and callable(ti.tl.core.is_builtin))
+              and callable(getattr(ti, "_patch_attr", None)) and callable(ti.tl.core.is_builtin)
+              and "_patch_lang(self.fn)" in inspect.getsource(ti.InterpretedFunction.__call__)
+              and callable(getattr(ti.InterpretedFunction, "rewrite", None))
+              and callable(getattr(ti, "InterpreterError", None))
+              and "fn" in inspect.signature(ti.GridExecutor.__init__).parameters)
     except Exception:  # noqa: BLE001 - another Triton: leave it as it is
         ok = False
     if not ok:
@@ -88,8 +99,45 @@ def faster_triton_interpreter():
         if key not in np_dtypes:
             np_dtypes[key] = get_np_dtype(tt_dtype)
         return np_dtypes[key]
+    seen_langs: dict[tuple[int, int], frozenset] = {}
+
+    def langs_of(fn) -> frozenset:
+        """The language modules a jitted function's module sees (what `_patch_lang` patches),
+        listed again when that module's globals change in number."""
+        g = fn.__globals__
+        key = (id(g), len(g))
+        if key not in seen_langs:
+            seen_langs[key] = frozenset(id(v) for v in list(g.values())
+                                        if v is tl or v is tl.core)
+        return seen_langs[key]
+    patched: list[frozenset] = []          # the launches in progress: what each patched
+    grid_call, device_call = ti.GridExecutor.__call__, ti.InterpretedFunction.__call__
+
+    def launch(self, *args, **kwargs):
+        patched.append(langs_of(self.fn))
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    leaked: set[int] = set()     # modules a helper's own patching left patched for good
+
+    def helper_call(self, *args, **kwargs):
+        langs = langs_of(self.fn)
+        if not patched or not langs <= patched[-1] | leaked:
+            out = device_call(self, *args, **kwargs)
+            if patched:          # Triton never restores a helper's patching: what the launch
+                leaked.update(langs - patched[-1])     # around it did not patch stays so
+            return out
+        fn = self.rewrite()               # as Triton's own __call__, less the patching
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - Triton's own wrapping
+            raise ti.InterpreterError(repr(e)) from e
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ti, "_patch_builtin", patch_builtin)
+        mp.setattr(ti.GridExecutor, "__call__", launch)
+        mp.setattr(ti.InterpretedFunction, "__call__", helper_call)
         mp.setattr(ti, "_get_np_dtype", cached_np_dtype)
         opts = getattr(ti.interpreter_builder, "options", None)
         if (dataclasses.is_dataclass(opts) and hasattr(opts, "sanitize_overflow")
