@@ -29,6 +29,8 @@
 #                                 # batch 1-64, HF, the floor (the call carrying part b)
 #   bench/h200_issue13.sh waves   # staged as draftreal: the fixed shapes and the adaptive default
 #                                 # with B in flight, B x 4 in all (no drain to one straggler)
+#   bench/h200_issue13.sh packs   # staged as draftreal: the prefill graphs packing a step's
+#                                 # prefills against one request a replay (`_pg1_pgg1`), waves
 #   bench/h200_issue13.sh gate    # the adaptive default (S7 behind a gate) vs before it: held-out
 #                                 # prompts at batch 1 and 4, the bench prompt at 1-64
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
@@ -272,6 +274,16 @@ PY
     MODES=${MODES:-plain,eagle3_chain_S3K1N4,eagle3_chain_S5K1N6,eagle3_chain_S7K1N8,adaptive_eagle3} \
       BATCHES=${BATCHES:-4,8,16} WAVES=${WAVES:-4} REPEATS=${REPEATS:-2} FLOOR=0 LLAMA8B=" " \
       BENCH_TIMEOUT=${BENCH_TIMEOUT:-540} "$0" bench
+    ;;
+  packs)
+    # 2026-12-07 (twenty-seventh session): the prefill graphs packing a step's prefills (up to
+    # 16 requests a replay, up to 4 replays) against the way before (`_pg1_pgg1`: one request
+    # a replay, a step of several prefills eager), with refilled batches as `waves` (each
+    # wave's admissions prefill together); plain needs the model only, the EAGLE-3 modes the
+    # head too (MODES=... per call)
+    MODES=${MODES:-plain,plain_pg1_pgg1,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_pg1_pgg1,adaptive_eagle3,adaptive_eagle3_pg1_pgg1} \
+      BATCHES=${BATCHES:-4,8,16} WAVES=${WAVES:-4} REPEATS=${REPEATS:-2} FLOOR=0 LLAMA8B=" " \
+      BENCH_TIMEOUT=${BENCH_TIMEOUT:-400} "$0" bench
     ;;
   gate)
     # 2026-12-06 (sixteenth session): the adaptive default with the 7-step chain behind its

@@ -8,10 +8,11 @@ A decode step of a small model is bound by the host: ~600 kernel launches from P
 embed -> layers (add+RMSNorm, QKV matmul, RoPE + guarded K/V store, Triton decode attention,
 O matmul, add+RMSNorm, gate/up matmul, SiLU*mul, down matmul) -> final norm -> LM head.
 `VerifyGraphs` captures the speculative verify forward (N tree nodes per request under the
-tree mask -> logits and hidden states). `PrefillGraphs` captures one request's extend of up
-to a few hundred tokens (a prompt, or a chunk of one) per token bucket, causal over its
-cached prefix -> the logits of its last token (`cuda_graph_prefill_tokens`: 256 by default
-under decode graphs). Both run over static device buffers that each replay fills. Padded
+tree mask -> logits and hidden states). `PrefillGraphs` captures the extends of up to 16
+requests packed into a few hundred tokens (prompts, chunks of them, or a plain step's decode
+tokens beside a prompt) per token bucket, each causal over its cached prefix -> the logits
+of each request's last token (`cuda_graph_prefill_tokens`: 256 by default under decode
+graphs). Both run over static device buffers that each replay fills. Padded
 rows (bucket > batch) point at req_to_token's padding row 0 and write their K/V into slot 0,
 the padding page, so a replay never reads or writes a real request's KV.
 
@@ -396,49 +397,85 @@ def prefill_buckets(max_tokens: int) -> tuple[int, ...]:
     return tuple(out + [max_tokens])
 
 
+# requests one prefill replay packs (a step's prompts after a wave of admissions); a step
+# with more, or more tokens than the largest bucket, runs as up to PREFILL_GRAPH_MAX_GROUPS
+# replays of packed groups, else eagerly (an eager prefill of 8 prompts was ~12 ms of ~600
+# launches on an H100 at batch 8, 2026-12-07)
+PREFILL_GRAPH_MAX_REQS = 16
+PREFILL_GRAPH_MAX_GROUPS = 4
+
+
 class PrefillGraphs(CapturedForwards):
-    """One request's extend of T tokens after its cached prefix of p (a prompt, or a chunk
-    of one) -> the logits of its last token, captured per token bucket Tb > T.
+    """Up to `max_reqs` requests' extends, T tokens in all, each after its cached prefix (a
+    prompt, or a chunk of one) -> the logits of each request's last token, captured per token
+    bucket Tb > T.
 
     At batch 1 an eager prefill is ~600 kernel launches from Python (16-24 ms on the H100's
     host for a 40-token prompt of SmolLM2, most of the time to first token); replayed, one
-    call. The Tb - T tokens past the request's form a second, padding request: req_to_token's
-    padding row 0, prefix 0, positions 0 .., every K/V written to slot 0 (the padding page),
-    causal among themselves, so the real request (first, causal) never sees them and they
-    read or write no real request's KV. A bucket always holds at least one padding token, so
-    neither request of a replay is empty. The extend attention's grid is captured for Tb
-    queries and its key bound for the whole context (`max_keys`): a replay holds any prefix."""
+    call. The requests are packed in order (request i's queries follow request i - 1's);
+    the graph has `max_reqs` request entries and one more, last, for the padding request.
+    An entry no request uses has no tokens (its attention programs exit at once), and the
+    Tb - T tokens past the requests' form the padding request: req_to_token's padding row 0,
+    prefix 0, positions 0 .., every K/V written to slot 0 (the padding page), causal among
+    themselves, so no real request sees them and they read or write no real request's KV.
+    A bucket always holds at least one padding token. The extend attention's grid is
+    captured for Tb queries a request and its key bound for the whole context
+    (`max_keys`): a replay holds any prefix. A step whose requests do not fit one replay
+    runs as several (`groups`), each one's outputs copied out before the next."""
 
     name = "prefill"
     first_call_id = 3 << 20
 
     def __init__(self, model, backend, max_tokens: int, max_kv_len: int,
                  progress: bool = True, capture: bool = True, hidden: bool = False,
-                 capture_layers: tuple[int, ...] = ()):
+                 capture_layers: tuple[int, ...] = (), max_reqs: int | None = None):
         """`hidden`: the forward also returns every token's hidden state (and the outputs of
-        `capture_layers`, EAGLE-3's): a speculative prefill feeds them to the draft."""
+        `capture_layers`, EAGLE-3's): a speculative prefill feeds them to the draft.
+        `max_reqs` (None: PREFILL_GRAPH_MAX_REQS) and PREFILL_GRAPH_MAX_GROUPS are read
+        here, when the graphs are made."""
         super().__init__(model, backend, 1, capture)
         self.buckets = prefill_buckets(max_tokens)
         self.max_kv_len = max_kv_len
+        self.max_reqs = R = max(1, int(PREFILL_GRAPH_MAX_REQS if max_reqs is None else max_reqs))
+        self.max_groups = max(1, int(PREFILL_GRAPH_MAX_GROUPS))
         self.hidden, self.capture_layers = hidden, tuple(capture_layers)
         n, dev = self.buckets[-1], self.device
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
         self.ids, self.positions, self.out_cache_loc = z(n), z(n), z(n)
-        # [real request, padding request]: rows, prefixes, lengths, first queries; last token
-        self.rows, self.prefix, self.extend_len, self.q_start = z(2), z(2), z(2), z(2)
-        self.last = z(1)
+        # R request entries and the padding request's (last): rows, prefixes, lengths, first
+        # queries; each request entry's last token
+        self.rows, self.prefix, self.extend_len, self.q_start = (z(R + 1) for _ in range(4))
+        self.last = z(R)
         # one pinned host block for the whole fill: ids, positions, slots | rows, prefix,
-        # extend_len, q_start, last
-        self.host = torch.zeros(3 * n + 9, dtype=torch.int64)
+        # extend_len, q_start (R + 1 each), last (R)
+        self.host = torch.zeros(3 * n + 5 * R + 4, dtype=torch.int64)
         if capture:
             self.host = self.host.pin_memory()
         self.host_np = self.host.numpy()
-        self.dev = z(3 * n + 9)
+        self.dev = z(3 * n + 5 * R + 4)
         self.capture_all(progress)
 
-    def fits(self, extend_len: int) -> bool:
-        """A request extending by `extend_len` tokens has a bucket (with a padding token)."""
-        return 0 < extend_len < self.buckets[-1]
+    def groups(self, extend_lens) -> list[range] | None:
+        """The step's requests (their extend lengths, in order) packed into replays: runs of
+        consecutive requests, each of at most `max_reqs` requests and one token fewer than
+        the largest bucket; None if a request has no token or does not fit alone, or more
+        than `max_groups` replays would be needed (eager is cheaper then)."""
+        cap, R = self.buckets[-1] - 1, self.max_reqs
+        out, start, tokens = [], 0, 0
+        for i, e in enumerate(extend_lens):
+            if not 0 < e <= cap:
+                return None
+            if i > start and (tokens + e > cap or i - start == R):
+                out.append(range(start, i))
+                start, tokens = i, 0
+            tokens += e
+        if len(extend_lens):
+            out.append(range(start, len(extend_lens)))
+        return out if 0 < len(out) <= self.max_groups else None
+
+    def fits(self, extend_lens) -> bool:
+        """The requests extending by `extend_lens` tokens (in order) replay (`groups`)."""
+        return self.groups(extend_lens) is not None
 
     def bucket(self, n: int) -> int | None:
         return super().bucket(n + 1)              # at least one padding token
@@ -454,37 +491,71 @@ class PrefillGraphs(CapturedForwards):
                                          capture_layers=self.capture_layers)
 
     def _capture(self, b: int, guard) -> tuple:
-        self._fill([1] * (b - 1), 0, 0, np.zeros(b - 1, dtype=np.int64), b)   # all padding
+        self._fill([[1] * (b - 1)], [0], [0], [np.zeros(b - 1, dtype=np.int64)], b)  # padding
         return super()._capture(b, guard)
 
-    def _fill(self, ids, prefix: int, row: int, slots: np.ndarray, b: int) -> None:
-        T, n = len(ids), self.buckets[-1]
+    def _fill(self, ids, prefix, rows, slots, b: int) -> None:
+        """Request i < k: ids[i] at positions prefix[i] .. into slots[i], req_to_token row
+        rows[i]; then the padding request of b - T tokens."""
+        k, R, n = len(ids), self.max_reqs, self.buckets[-1]
+        lens = np.fromiter((len(x) for x in ids), dtype=np.int64, count=k)
+        ends = np.cumsum(lens)
+        T = int(ends[-1])
         h = self.host_np
         h[:] = 0
-        h[:T] = ids
-        h[n:n + T] = np.arange(prefix, prefix + T)
+        h[:T] = np.concatenate([np.asarray(x, dtype=np.int64) for x in ids])
+        h[n:n + T] = np.concatenate([np.arange(p, p + e) for p, e in zip(prefix, lens)])
         h[n + T:n + b] = np.arange(b - T)                      # the padding request's positions
-        h[2 * n:2 * n + T] = slots                             # padding tokens: slot 0
-        h[3 * n:3 * n + 9] = [row, 0, prefix, 0, T, b - T, 0, T, T - 1]
+        h[2 * n:2 * n + T] = np.concatenate(slots)             # padding tokens: slot 0
+        tail, e = h[3 * n:], R + 1
+        tail[:k] = rows                                        # unused entries: row 0, prefix 0,
+        tail[e:e + k] = prefix                                 # no tokens
+        tail[2 * e:2 * e + k] = lens
+        tail[3 * e - 1] = b - T                                # the padding request (last entry)
+        tail[3 * e:4 * e] = T                                  # unused and padding queries: at T
+        tail[3 * e:3 * e + k] = ends - lens
+        tail[4 * e:4 * e + R] = T - 1                          # an unused entry's logits: ignored
+        tail[4 * e:4 * e + k] = ends - 1
         self.dev.copy_(self.host, non_blocking=True)
         for i, dst in enumerate((self.ids, self.positions, self.out_cache_loc)):
             dst.copy_(self.dev[i * n:(i + 1) * n])
-        tail = self.dev[3 * n:]
+        t = self.dev[3 * n:]
         for i, dst in enumerate((self.rows, self.prefix, self.extend_len, self.q_start)):
-            dst.copy_(tail[2 * i:2 * i + 2])
-        self.last.copy_(tail[8:9])
+            dst.copy_(t[i * e:(i + 1) * e])
+        self.last.copy_(t[4 * e:4 * e + R])
 
-    def run(self, ids: list[int], prefix: int, row: int, slots: np.ndarray) -> ModelOutput:
-        """Extend request `row` by `ids` at positions prefix .. (slots allocated, written in
-        req_to_token) -> the forward's output: (1, V) logits of its last token, and with
-        `hidden` the (T, H) hidden states of its T tokens (views of the graph's buffers,
-        valid until the next replay). Call inside the step's `guarded` context."""
-        T = len(ids)
+    def _run_one(self, ids, prefix, rows, slots) -> ModelOutput:
+        k, T = len(ids), sum(map(len, ids))
         b = self.bucket(T)
-        self._fill(ids, prefix, row, slots, b)
+        self._fill(ids, prefix, rows, slots, b)
         out = self._replay(b)
-        if not self.hidden:
-            return out
-        return ModelOutput(logits=out.logits, hidden=out.hidden[:T],
+        return ModelOutput(logits=out.logits[:k],
+                           hidden=None if out.hidden is None else out.hidden[:T],
                            aux_hidden=None if out.aux_hidden is None
                            else [a[:T] for a in out.aux_hidden])
+
+    def run(self, ids, prefix, rows, slots) -> ModelOutput:
+        """Extend request i (req_to_token row rows[i]) by ids[i] at positions prefix[i] ..
+        (slots[i] allocated, written in req_to_token) -> the forward's output: (k, V) logits
+        of each request's last token, and with `hidden` the (T, H) hidden states of their T
+        tokens in order (views of the graph's buffers, valid until the next replay, where one
+        replay ran). Call inside the step's `guarded` context."""
+        parts = self.groups([len(x) for x in ids])
+        if parts is None:
+            raise ValueError(f"prefill graphs: {len(ids)} requests of {sum(map(len, ids))} "
+                             f"tokens do not fit {self.max_groups} replays of at most "
+                             f"{self.max_reqs} requests and {self.buckets[-1] - 1} tokens")
+        if len(parts) == 1:
+            return self._run_one(ids, prefix, rows, slots)
+        outs = []
+        for g in parts:
+            o = self._run_one([ids[i] for i in g], [prefix[i] for i in g],
+                              [rows[i] for i in g], [slots[i] for i in g])
+            outs.append(ModelOutput(             # copied: the next replay overwrites them
+                logits=o.logits.clone(), hidden=None if o.hidden is None else o.hidden.clone(),
+                aux_hidden=None if o.aux_hidden is None else [a.clone() for a in o.aux_hidden]))
+        return ModelOutput(
+            logits=torch.cat([o.logits for o in outs]),
+            hidden=None if outs[0].hidden is None else torch.cat([o.hidden for o in outs]),
+            aux_hidden=None if outs[0].aux_hidden is None else
+            [torch.cat(a) for a in zip(*[o.aux_hidden for o in outs])])

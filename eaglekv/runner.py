@@ -80,15 +80,19 @@ class ModelRunner:
             return self.run_extend(plan)[0]
 
     def prefill_fits(self, plan: StepPlan) -> bool:
-        """One request extending by 2+ tokens (one token is a decode step's) of a bucket."""
-        return (len(plan.reqs) == 1 and len(plan.ids[0]) > 1
-                and self.prefill_graphs.fits(len(plan.ids[0])))
+        """An extend of at least one request by 2+ tokens (one token each is a decode step's)
+        whose requests pack into the prefill graphs' replays (`PrefillGraphs.groups`)."""
+        lens = [len(x) for x in plan.ids]
+        return max(lens, default=0) > 1 and self.prefill_graphs.fits(lens)
+
+    def replay_prefill(self, plan: StepPlan):
+        """The plan's extends replayed (PrefillGraphs.run): the forward's output."""
+        return self.prefill_graphs.run(plan.ids, plan.prefix_lens, [r.row for r in plan.reqs],
+                                       [s.numpy() for s in plan.slots])
 
     def run_prefill_graph(self, plan: StepPlan) -> StepResult:
-        """One request's extend replayed (PrefillGraphs), then sampling as `run_extend`."""
-        out = self.prefill_graphs.run(plan.ids[0], plan.prefix_lens[0], plan.reqs[0].row,
-                                      plan.slots[0].numpy())
-        return self.sample(plan, plan.sampling, out.logits)
+        """The plan's extends replayed (PrefillGraphs), then sampling as `run_extend`."""
+        return self.sample(plan, plan.sampling, self.replay_prefill(plan).logits)
 
     def graph_fits(self, plan: StepPlan) -> bool:
         return (self.graphs.bucket(len(plan.reqs)) is not None

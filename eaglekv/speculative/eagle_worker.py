@@ -177,9 +177,9 @@ class EagleWorker:
         reqs = plan.reqs
         target = self.target
         if target.prefill_graphs is not None and target.prefill_fits(plan):   # replayed
-            out = target.prefill_graphs.run(plan.ids[0], plan.prefix_lens[0], reqs[0].row,
-                                            plan.slots[0].numpy())
-            res, extend_lens = target.sample(plan, plan.sampling, out.logits), [len(plan.ids[0])]
+            out = target.replay_prefill(plan)
+            res = target.sample(plan, plan.sampling, out.logits)
+            extend_lens = [len(x) for x in plan.ids]
         else:
             res, out, batch = target.run_extend(plan, return_hidden=True,
                                                 capture_layers=self.drafter.capture_layers)

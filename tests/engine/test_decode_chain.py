@@ -225,14 +225,14 @@ def test_adaptive_plain_chains_run_the_policy_horizon(tiny_dir, reference, horiz
 
 
 # ---- one request's prefill replayed (cuda_graph.PrefillGraphs) ---------------------------------
-def prefill_engine(tiny_dir, max_tokens: int = 32, **options):
+def prefill_engine(tiny_dir, max_tokens: int = 32, max_reqs: int = 16, **options):
     from eaglekv.cuda_graph import PrefillGraphs
     options.setdefault("max_running_requests", 4)
     options.setdefault("max_context_len", 64)
     engine = tiny_engine(tiny_dir, attention_backend="triton", **options)
     engine.runner.prefill_graphs = PrefillGraphs(engine.model, engine.backend, max_tokens,
                                                  engine.max_context_len, progress=False,
-                                                 capture=False)
+                                                 capture=False, max_reqs=max_reqs)
     return engine
 
 
@@ -296,17 +296,132 @@ def test_prefill_graph_equals_the_eager_prefill(tiny_dir, reference, chunk, page
     assert engine.allocator.is_full()
 
 
-def test_speculative_prefill_graph_is_lossless(deep_dir):
+def test_prefill_graph_groups(tiny_dir):
+    """A step's extends packed into replays: runs of consecutive requests of at most
+    max_reqs requests and one token fewer than the largest bucket; none for an empty or
+    too long request, or past PREFILL_GRAPH_MAX_GROUPS replays (then the step runs eagerly)."""
+    from eaglekv.cuda_graph import PREFILL_GRAPH_MAX_GROUPS, PrefillGraphs
+    engine = tiny_engine(tiny_dir, attention_backend="triton", max_context_len=64)
+    g = PrefillGraphs(engine.model, engine.backend, 16, 64, progress=False, capture=False,
+                      max_reqs=2)
+    assert g.groups([3, 11, 7]) == [range(0, 2), range(2, 3)]     # 3 + 11 <= 15 < 3 + 11 + 7
+    assert g.groups([3, 1, 1]) == [range(0, 2), range(2, 3)]      # two requests a replay
+    assert g.groups([15]) == [range(0, 1)] and g.groups([1]) == [range(0, 1)]
+    assert g.groups([16]) is None and g.groups([3, 0]) is None and g.groups([]) is None
+    assert len(g.groups([15] * PREFILL_GRAPH_MAX_GROUPS)) == PREFILL_GRAPH_MAX_GROUPS
+    assert g.groups([15] * (PREFILL_GRAPH_MAX_GROUPS + 1)) is None
+    assert g.fits([8, 7]) and not g.fits([8, 8, 8, 8, 8, 8, 8, 8, 8])
+    with pytest.raises(ValueError, match=r"prefill graphs: 1 requests of 16 tokens do not fit"):
+        g.run([[1] * 16], [0], [1], [torch.zeros(16, dtype=torch.int64).numpy()])
+
+
+@pytest.mark.parametrize("max_tokens,max_reqs,replays", [(32, 16, 1), (16, 16, 2), (32, 2, 2)])
+def test_prefill_graph_packs_several_requests(tiny_dir, reference, max_tokens, max_reqs,
+                                              replays):
+    """The three prompts admitted together (3 + 11 + 7 tokens) prefill in one replay of three
+    packed requests (buckets up to 32), or in two (a largest bucket of 16: 3 + 11, then 7;
+    or two requests a replay): each request's K/V equal to an eager prefill's, no other slot
+    written but the padding page's, the first tokens of all three sampled from the replay,
+    and the same tokens as plain decoding to the end."""
+    engine = prefill_engine(tiny_dir, max_tokens, max_reqs=max_reqs)
+    eager = tiny_engine(tiny_dir, max_running_requests=4, max_context_len=64)
+    g = engine.runner.prefill_graphs
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    buffers = engine.kv_pool.k_buffer + engine.kv_pool.v_buffer
+    before = [b.clone() for b in buffers]
+    mine = [engine.add_request(p, sp) for p in PROMPTS]
+    theirs = [eager.add_request(p, sp) for p in PROMPTS]
+    engine.step()
+    eager.step()
+    assert g.replays == replays
+    assert all(len(r.output_ids) == 1 for r in mine + theirs)
+    assert [r.output_ids for r in mine] == [r[:1] for r in reference]
+    others = torch.ones(buffers[0].shape[0], dtype=torch.bool)
+    others[0] = False                                     # the padding page
+    for x, y in zip(mine, theirs):
+        a = engine.req_to_token.req_to_token[x.row, :x.kv_len].long()
+        b = eager.req_to_token.req_to_token[y.row, :y.kv_len].long()
+        others[a] = False
+        for u, v in zip(buffers, eager.kv_pool.k_buffer + eager.kv_pool.v_buffer):
+            torch.testing.assert_close(u[a], v[b], rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(x[others], y[others]) for x, y in zip(before, buffers))
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_ids for r in mine] == [r[:4] for r in reference]
+    engine.check_memory()
+    assert engine.allocator.is_full()
+
+
+def test_bad_slot_in_a_packed_prefill_is_refused(tiny_dir, reference):
+    """A slot past the pool in the second of three prefills packed into one replay:
+    KVIndexError at the step's sync naming the slot, the limit and the store; the slot is
+    not written, no slot outside the step's own is, the step's requests fail and give their
+    slots back, and the engine serves the next request exactly."""
+    engine = prefill_engine(tiny_dir, 32)
+    limit = engine.kv_pool.size_limit
+    real = engine.runner.replay_prefill
+    own = []
+
+    def bad(plan):
+        own.extend(s.clone() for s in plan.slots)
+        plan.slots[1] = plan.slots[1].clone()
+        plan.slots[1][2] = limit + 3
+        return real(plan)
+    engine.runner.replay_prefill = bad
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    buffers = engine.kv_pool.k_buffer + engine.kv_pool.v_buffer
+    before = [b.clone() for b in buffers]
+    reqs = [engine.add_request(p, sp) for p in PROMPTS]
+    with pytest.raises(KVIndexError, match=rf"slot {limit + 3} out of range \[0, {limit}\) "
+                                           r"in store_cache \(layer 0"):
+        engine.step()
+    assert engine.runner.prefill_graphs.replays == 1
+    outside = torch.ones(buffers[0].shape[0], dtype=torch.bool)
+    outside[torch.cat(own)] = False
+    outside[0] = False                                    # the padding page
+    assert all(torch.equal(x[outside], y[outside]) for x, y in zip(before, buffers))
+    assert all(r.finished for r in reqs)
+    engine.runner.replay_prefill = real
+    assert engine.allocator.is_full()
+    engine.check_memory()
+    out = engine.generate([PROMPTS[1]], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert out[0].token_ids == reference[1]
+
+
+def test_prefill_graph_takes_a_mixed_step(tiny_dir, reference):
+    """A plain engine's step that decodes one request and prefills another (continuous
+    batching: a prompt admitted while a request decodes) is one replay of both, the decode
+    token a one-token request beside the prompt: the same tokens as plain decoding."""
+    engine = prefill_engine(tiny_dir, 32)
+    g = engine.runner.prefill_graphs
+    sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    first = engine.add_request(PROMPTS[0], sp)
+    engine.step()
+    assert g.replays == 1 and len(first.output_ids) == 1
+    second = engine.add_request(PROMPTS[1], sp)
+    engine.step()
+    assert g.replays == 2, "the mixed step did not replay"
+    assert len(first.output_ids) == 2 and len(second.output_ids) == 1
+    while engine.has_unfinished():
+        engine.step()
+    assert first.output_ids == reference[0][:6] and second.output_ids == reference[1][:6]
+    engine.check_memory()
+    assert engine.allocator.is_full()
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_speculative_prefill_graph_is_lossless(deep_dir, together):
     """A speculative engine's prefills replayed with their hidden states and EAGLE-3's
-    captured layers: the draft extends over them as after an eager prefill; an 11-token
-    prompt alone, in chunks of 4 over its cached prefix: speculative greedy equals plain
-    greedy, token for token, the draft's K/V equal to the eager engine's, the books
-    whole. (One case: under the interpreter a speculative step is slow; the GPU tests run
-    EAGLE-1 and EAGLE-3, whole and chunked.)"""
+    captured layers: the draft extends over them as after an eager prefill. An 11-token
+    prompt alone, in chunks of 4 over its cached prefix, or two prompts (3 + 11 tokens)
+    admitted together in one replay: speculative greedy equals plain greedy, token for
+    token, the draft's K/V equal to the eager engine's, the books whole. (Under the
+    interpreter a speculative step is slow; the GPU tests run EAGLE-1 and EAGLE-3, whole
+    and chunked.)"""
     from eaglekv.cuda_graph import PrefillGraphs
-    d, alg, chunk = deep_dir, "eagle3", 4
+    d, alg = deep_dir, "eagle3"
+    chunk, prompts, replays = (None, PROMPTS[:2], 1) if together else (4, PROMPTS[1:2], 3)
     sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
-    prompts = PROMPTS[1:2]                                # 11 tokens: chunks [4 4 3]
     opts = dict(attention_backend="triton", max_running_requests=4, max_context_len=64,
                 chunked_prefill_size=chunk,
                 speculative=dict(algorithm=alg, draft_model="random", num_steps=3, topk=1,
@@ -315,27 +430,25 @@ def test_speculative_prefill_graph_is_lossless(deep_dir):
     engine = tiny_engine(d, **opts)
     eager = tiny_engine(d, **{**opts, "attention_backend": "torch"})     # the reference path
     w = engine.runner
-    w.target.prefill_graphs = PrefillGraphs(engine.model, engine.backend, 8, 64,
+    w.target.prefill_graphs = PrefillGraphs(engine.model, engine.backend, 32, 64,
                                             progress=False, capture=False, hidden=True,
                                             capture_layers=w.drafter.capture_layers)
-    pools = [w.drafter.kv_pool.k_buffer + w.drafter.kv_pool.v_buffer]
-    eager_pools = [eager.runner.drafter.kv_pool.k_buffer + eager.runner.drafter.kv_pool.v_buffer]
-    for prompt, ref in zip(prompts, plain):
-        mine, theirs = engine.add_request(prompt, sp), eager.add_request(prompt, sp)
-        while not mine.output_ids:
-            engine.step()
-        while not theirs.output_ids:
-            eager.step()
-        a = engine.req_to_token.req_to_token[mine.row, :mine.kv_len].long()
-        b = eager.req_to_token.req_to_token[theirs.row, :theirs.kv_len].long()
-        for xs, ys in zip(pools, eager_pools):
-            for x, y in zip(xs, ys):
-                torch.testing.assert_close(x[a], y[b], rtol=1e-5, atol=1e-5)
-        while not mine.finished:
-            engine.step()
-        while not theirs.finished:
-            eager.step()
-        assert mine.output_ids == ref
-        engine.check_memory()
-    assert w.target.prefill_graphs.replays == 3
+    pools = w.drafter.kv_pool.k_buffer + w.drafter.kv_pool.v_buffer
+    eager_pools = eager.runner.drafter.kv_pool.k_buffer + eager.runner.drafter.kv_pool.v_buffer
+    mine = [engine.add_request(p, sp) for p in prompts]
+    theirs = [eager.add_request(p, sp) for p in prompts]
+    while not all(r.output_ids for r in mine):
+        engine.step()
+    while not all(r.output_ids for r in theirs):
+        eager.step()
+    assert w.target.prefill_graphs.replays == replays
+    for x, y in zip(mine, theirs):
+        a = engine.req_to_token.req_to_token[x.row, :x.kv_len].long()
+        b = eager.req_to_token.req_to_token[y.row, :y.kv_len].long()
+        for u, v in zip(pools, eager_pools):
+            torch.testing.assert_close(u[a], v[b], rtol=1e-5, atol=1e-5)
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_ids for r in mine] == plain
+    engine.check_memory()
     assert engine.allocator.is_full()
