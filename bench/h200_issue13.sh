@@ -31,6 +31,8 @@
 #                                 # with B in flight, B x 4 in all (no drain to one straggler)
 #   bench/h200_issue13.sh packs   # staged as draftreal: the prefill graphs packing a step's
 #                                 # prefills against one request a replay (`_pg1_pgg1`), waves
+#   bench/h200_issue13.sh packsrnd  # no staging: the same on the random model, after the
+#                                 # CUDA-graph tests
 #   bench/h200_issue13.sh gate    # the adaptive default (S7 behind a gate) vs before it: held-out
 #                                 # prompts at batch 1 and 4, the bench prompt at 1-64
 #   bench/h200_issue13.sh tests [PATHS]     # the GPU tests (pytest -m gpu), log under $OUT
@@ -284,6 +286,22 @@ PY
     MODES=${MODES:-plain,plain_pg1_pgg1,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_pg1_pgg1,adaptive_eagle3,adaptive_eagle3_pg1_pgg1} \
       BATCHES=${BATCHES:-4,8,16} WAVES=${WAVES:-4} REPEATS=${REPEATS:-2} FLOOR=0 LLAMA8B=" " \
       BENCH_TIMEOUT=${BENCH_TIMEOUT:-400} "$0" bench
+    ;;
+  packsrnd)
+    # the same without staging, on the random SmolLM2-shaped model (12-token prompts, EOS
+    # ignored: plain's time does not depend on the weights) and a random EAGLE-3 head; first
+    # the CUDA-graph tests (the packed prefills among them)
+    timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      ${TESTS_FILES:-tests/engine/test_cuda_graph.py} > "$OUT/gpu_tests_packs.log" 2>&1
+    tail -2 "$OUT/gpu_tests_packs.log"
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from profile_step import make_model; make_model('/root/rnd')"
+    mkdir -p "$OUT/packs"
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
+      --model /root/rnd --draft random --new-tokens 256 --repeats "${REPEATS:-2}" --no-hf --table \
+      --batches "${BATCHES:-4,16,64}" --waves "${WAVES:-4}" --waiting-served-ratio 0 \
+      --modes "${MODES:-plain,plain_pg1_pgg1,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_pg1_pgg1}" \
+      --out "$OUT/packs" 2>&1 | tail -c 20000 > "$OUT/packs/bench.log"
+    tail -8 "$OUT/packs/bench.log"
     ;;
   gate)
     # 2026-12-06 (sixteenth session): the adaptive default with the 7-step chain behind its
