@@ -30,7 +30,7 @@
 #   bench/h200_issue13.sh waves   # staged as draftreal: the fixed shapes and the adaptive default
 #                                 # with B in flight, B x 4 in all (no drain to one straggler)
 #   bench/h200_issue13.sh packs   # staged as draftreal: the prefill graphs packing a step's
-#                                 # prefills against one request a replay (`_pg1_pgg1`), waves
+#                                 # prefills (`_pack`) against one request a replay, waves
 #   bench/h200_issue13.sh packsrnd  # no staging: the same on the random model, after the
 #                                 # CUDA-graph tests
 #   bench/h200_issue13.sh gate    # the adaptive default (S7 behind a gate) vs before it: held-out
@@ -278,12 +278,12 @@ PY
       BENCH_TIMEOUT=${BENCH_TIMEOUT:-540} "$0" bench
     ;;
   packs)
-    # 2026-12-07 (twenty-seventh session): the prefill graphs packing a step's prefills (up to
-    # 16 requests a replay, up to 4 replays) against the way before (`_pg1_pgg1`: one request
-    # a replay, a step of several prefills eager), with refilled batches as `waves` (each
-    # wave's admissions prefill together); plain needs the model only, the EAGLE-3 modes the
-    # head too (MODES=... per call)
-    MODES=${MODES:-plain,plain_pg1_pgg1,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_pg1_pgg1,adaptive_eagle3,adaptive_eagle3_pg1_pgg1} \
+    # 2026-12-07 (twenty-seventh session, not yet run): the prefill graphs packing a step's
+    # prefills (`_pack`: up to 16 requests a replay, up to 4 replays; off by default until
+    # this runs) against one request a replay and a step of several prefills eager (the
+    # default), with refilled batches as `waves` (each wave's admissions prefill together);
+    # plain needs the model only, the EAGLE-3 modes the head too (MODES=... per call)
+    MODES=${MODES:-plain,plain_pack,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_pack,adaptive_eagle3,adaptive_eagle3_pack} \
       BATCHES=${BATCHES:-4,8,16} WAVES=${WAVES:-4} REPEATS=${REPEATS:-2} FLOOR=0 LLAMA8B=" " \
       BENCH_TIMEOUT=${BENCH_TIMEOUT:-400} "$0" bench
     ;;
@@ -291,7 +291,7 @@ PY
     # the same without staging, on the random SmolLM2-shaped model (12-token prompts, EOS
     # ignored: plain's time does not depend on the weights) and a random EAGLE-3 head; first
     # the CUDA-graph tests (the packed prefills among them)
-    timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+    EAGLEKV_PREFILL_PACK=1 timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider \
       ${TESTS_FILES:-tests/engine/test_cuda_graph.py} > "$OUT/gpu_tests_packs.log" 2>&1
     tail -2 "$OUT/gpu_tests_packs.log"
     python3 -c "import sys; sys.path.insert(0, 'bench'); from profile_step import make_model; make_model('/root/rnd')"
@@ -299,7 +299,7 @@ PY
     timeout "${BENCH_TIMEOUT:-300}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
       --model /root/rnd --draft random --new-tokens 256 --repeats "${REPEATS:-2}" --no-hf --table \
       --batches "${BATCHES:-4,16,64}" --waves "${WAVES:-4}" --waiting-served-ratio 0 \
-      --modes "${MODES:-plain,plain_pg1_pgg1,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_pg1_pgg1}" \
+      --modes "${MODES:-plain,plain_pack,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_pack}" \
       --out "$OUT/packs" 2>&1 | tail -c 20000 > "$OUT/packs/bench.log"
     tail -8 "$OUT/packs/bench.log"
     ;;

@@ -47,9 +47,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="largest decode batch captured as a CUDA graph (default: "
                    "--max-running-requests)")
     p.add_argument("--cuda-graph-prefill-tokens", type=int, default=None,
-                   help="replay a step's prefills (or chunks; up to 16 requests packed, "
-                   "fewer than this many tokens a replay, up to 4 replays) as CUDA graphs "
-                   "per token bucket (0: eager; default: 256 under CUDA graphs)")
+                   help="replay one request's prefill (or chunk) of fewer than this many "
+                   "tokens as a CUDA graph per token bucket (0: eager; default: 256 under "
+                   "CUDA graphs); EAGLEKV_PREFILL_PACK=1 packs a step's prefills, up to 16 "
+                   "requests a replay (not yet timed on a GPU)")
     p.add_argument("--waiting-served-ratio", type=float, default=d.waiting_served_ratio,
                    help="while requests decode, admit newcomers once they are this fraction "
                    "of the running ones (TGI's flag; 0: at once)")

@@ -274,12 +274,12 @@ class EngineConfig:
     attention_backend: str = "auto"
     disable_cuda_graph: bool = False     # CUDA: run every step eagerly (debugging)
     cuda_graph_max_bs: int | None = None  # largest captured decode batch (default: max_running)
-    # a step's prefills (or chunks), up to PREFILL_GRAPH_MAX_REQS requests packed in fewer
-    # than this many tokens a replay (up to PREFILL_GRAPH_MAX_GROUPS replays), replayed as
-    # CUDA graphs per token bucket (cuda_graph.PrefillGraphs), plain and speculative engines;
+    # one request's prefill (or chunk of one) of fewer than this many tokens replayed as a
+    # CUDA graph per token bucket (cuda_graph.PrefillGraphs), plain and speculative engines;
     # 0: eager; None: DEFAULT_PREFILL_GRAPH_TOKENS under CUDA graphs, else 0 (on an H100,
     # 2026-12-06: 1.13x plain and S5 end to end at batch 1, the prefill 13-24 ms -> 1.8 ms;
-    # until 2026-12-07 a step of several prefills ran eagerly, ~12 ms at batch 8)
+    # a step of several prefills runs eagerly, ~12 ms at batch 8, unless
+    # cuda_graph.PREFILL_GRAPH_PACK packs them, up to 16 requests a replay: not yet timed)
     cuda_graph_prefill_tokens: int | None = None
     # greedy decode steps replayed back to back per engine step, one sync for all (vLLM's
     # --num-scheduler-steps; a speculative engine chains ceil(this / (S + 1)) whole-step

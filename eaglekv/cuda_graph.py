@@ -8,11 +8,11 @@ A decode step of a small model is bound by the host: ~600 kernel launches from P
 embed -> layers (add+RMSNorm, QKV matmul, RoPE + guarded K/V store, Triton decode attention,
 O matmul, add+RMSNorm, gate/up matmul, SiLU*mul, down matmul) -> final norm -> LM head.
 `VerifyGraphs` captures the speculative verify forward (N tree nodes per request under the
-tree mask -> logits and hidden states). `PrefillGraphs` captures the extends of up to 16
-requests packed into a few hundred tokens (prompts, chunks of them, or a plain step's decode
-tokens beside a prompt) per token bucket, each causal over its cached prefix -> the logits
-of each request's last token (`cuda_graph_prefill_tokens`: 256 by default under decode
-graphs). Both run over static device buffers that each replay fills. Padded
+tree mask -> logits and hidden states). `PrefillGraphs` captures one request's extend of up
+to a few hundred tokens (a prompt, or a chunk of one) per token bucket, causal over its
+cached prefix -> the logits of its last token (`cuda_graph_prefill_tokens`: 256 by default
+under decode graphs); with PREFILL_GRAPH_PACK (opt-in) the extends of up to 16 requests
+packed into one replay (prompts, chunks, or a plain step's decode tokens beside a prompt). Both run over static device buffers that each replay fills. Padded
 rows (bucket > batch) point at req_to_token's padding row 0 and write their K/V into slot 0,
 the padding page, so a replay never reads or writes a real request's KV.
 
@@ -397,18 +397,21 @@ def prefill_buckets(max_tokens: int) -> tuple[int, ...]:
     return tuple(out + [max_tokens])
 
 
-# requests one prefill replay packs (a step's prompts after a wave of admissions); a step
-# with more, or more tokens than the largest bucket, runs as up to PREFILL_GRAPH_MAX_GROUPS
-# replays of packed groups, else eagerly (an eager prefill of 8 prompts was ~12 ms of ~600
-# launches on an H100 at batch 8, 2026-12-07)
+# with packing on, the requests one prefill replay packs (a step's prompts after a wave of
+# admissions); a step with more, or more tokens than the largest bucket, runs as up to
+# PREFILL_GRAPH_MAX_GROUPS replays of packed groups, else eagerly (an eager prefill of 8
+# prompts was ~12 ms of ~600 launches on an H100 at batch 8, 2026-12-07). Off (one request a
+# replay, a step of several prefills eager, as before) until timed and tested on a GPU:
+# EAGLEKV_PREFILL_PACK=1 (the bench's `_pack` modes) turns it on
+PREFILL_GRAPH_PACK = os.environ.get("EAGLEKV_PREFILL_PACK", "0") == "1"
 PREFILL_GRAPH_MAX_REQS = 16
 PREFILL_GRAPH_MAX_GROUPS = 4
 
 
 class PrefillGraphs(CapturedForwards):
-    """Up to `max_reqs` requests' extends, T tokens in all, each after its cached prefix (a
-    prompt, or a chunk of one) -> the logits of each request's last token, captured per token
-    bucket Tb > T.
+    """Up to `max_reqs` requests' extends (one unless PREFILL_GRAPH_PACK), T tokens in all,
+    each after its cached prefix (a prompt, or a chunk of one) -> the logits of each
+    request's last token, captured per token bucket Tb > T.
 
     At batch 1 an eager prefill is ~600 kernel launches from Python (16-24 ms on the H100's
     host for a 40-token prompt of SmolLM2, most of the time to first token); replayed, one
@@ -428,16 +431,22 @@ class PrefillGraphs(CapturedForwards):
 
     def __init__(self, model, backend, max_tokens: int, max_kv_len: int,
                  progress: bool = True, capture: bool = True, hidden: bool = False,
-                 capture_layers: tuple[int, ...] = (), max_reqs: int | None = None):
+                 capture_layers: tuple[int, ...] = (), max_reqs: int | None = None,
+                 max_groups: int | None = None):
         """`hidden`: the forward also returns every token's hidden state (and the outputs of
         `capture_layers`, EAGLE-3's): a speculative prefill feeds them to the draft.
-        `max_reqs` (None: PREFILL_GRAPH_MAX_REQS) and PREFILL_GRAPH_MAX_GROUPS are read
-        here, when the graphs are made."""
+        `max_reqs` and `max_groups` (None: PREFILL_GRAPH_MAX_REQS and _MAX_GROUPS where
+        PREFILL_GRAPH_PACK, else 1 each) are read here, when the graphs are made."""
         super().__init__(model, backend, 1, capture)
         self.buckets = prefill_buckets(max_tokens)
         self.max_kv_len = max_kv_len
-        self.max_reqs = R = max(1, int(PREFILL_GRAPH_MAX_REQS if max_reqs is None else max_reqs))
-        self.max_groups = max(1, int(PREFILL_GRAPH_MAX_GROUPS))
+        pack = PREFILL_GRAPH_PACK
+        if max_reqs is None:
+            max_reqs = PREFILL_GRAPH_MAX_REQS if pack else 1
+        if max_groups is None:
+            max_groups = PREFILL_GRAPH_MAX_GROUPS if pack else 1
+        self.max_reqs = R = max(1, int(max_reqs))
+        self.max_groups = max(1, int(max_groups))
         self.hidden, self.capture_layers = hidden, tuple(capture_layers)
         n, dev = self.buckets[-1], self.device
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731

@@ -299,8 +299,8 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
               **{f"{m}_{x}": MODES[m] for m in ("eagle3_chain_S3K1N4", "eagle3_chain_S5K1N6",
                                                 "eagle3_chain_S7K1N8", "adaptive_eagle3")
                  for x in ("nodgemv", "nog8_mlp1_mo4", "nog8_mlp1_mo4_nodgemv")},
-              "plain_nog8": None, "plain_nog8_mlp1_mo4": None, "plain_pg1_pgg1": None,
-              **{f"{m}_pg1_pgg1": MODES[m] for m in ("eagle3_chain_S7K1N8", "adaptive_eagle3")},
+              "plain_nog8": None, "plain_nog8_mlp1_mo4": None, "plain_pack": None,
+              **{f"{m}_pack": MODES[m] for m in ("eagle3_chain_S7K1N8", "adaptive_eagle3")},
               "eagle3_chain_S5K1N6_g8_mlp8_mo8": MODES["eagle3_chain_S5K1N6"],
               "eagle3_chain_S5K1N6_mlp8": MODES["eagle3_chain_S5K1N6"],
               "eagle3_chain_S5K1N6_mlp8_mo8": MODES["eagle3_chain_S5K1N6"], "plain_mlp8": None})
@@ -321,7 +321,7 @@ VARIANTS = ("_unchecked", "_layerchecks", "_1step", "_gemv", "_cublas", "_gemv8"
             "_novdec", "_ccost", "_rawcost", "_vdec128", "_omerge", "_sp8", "_om8w", "_cg", "_dpf",
             "_bk2k", "_fmlp", "_fmlp4", "_fmlp16", "_mo", "_nofuse", "_r3d", "_r2d", "_fuse",
             "_mo8", "_sx2", "_sx3", "_dgemv", "_mlp8", "_g8", "_nodgemv", "_nog8", "_mo4",
-            "_pg1", "_pgg1")
+            "_pack", "_nopack")
 # a part of a mode's name -> (module, attribute, its value while the engine is built); parts
 # combine ("plain_fmerge_pdl")
 MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 1),
@@ -364,10 +364,10 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                               "CHAIN_VERIFY_DECODE_MAX_TOKENS", 0),
                    "vdec128": ("eaglekv.attention.triton_backend",
                                "CHAIN_VERIFY_DECODE_MAX_TOKENS", 128),
-                   # the prefill graphs as before 2026-12-07's packing: one request a
-                   # replay (`pg1`), one replay a step (`pgg1`): `_pg1_pgg1` is the way before
-                   "pg1": ("eaglekv.cuda_graph", "PREFILL_GRAPH_MAX_REQS", 1),
-                   "pgg1": ("eaglekv.cuda_graph", "PREFILL_GRAPH_MAX_GROUPS", 1),
+                   # the prefill graphs packing a step's prefills (cuda_graph.
+                   # PREFILL_GRAPH_PACK, off by default until timed)
+                   "pack": ("eaglekv.cuda_graph", "PREFILL_GRAPH_PACK", True),
+                   "nopack": ("eaglekv.cuda_graph", "PREFILL_GRAPH_PACK", False),
                    # adaptive's cost cells as chains cost (adaptive_worker.CHAINED_COSTS)
                    "ccost": ("eaglekv.speculative.adaptive_worker", "CHAINED_COSTS", True),
                    "rawcost": ("eaglekv.speculative.adaptive_worker", "CHAINED_COSTS", False)}

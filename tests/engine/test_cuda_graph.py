@@ -97,12 +97,16 @@ def test_chain_graph_greedy_equals_cpu(tiny_dir, monkeypatch, batch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("opts", [{}, {"page_size": 16}, {"chunked_prefill_size": 8}],
                          ids=["whole", "page16", "chunks-of-8"])
-def test_prefill_graphs_greedy_equals_cpu(tiny_dir, opts):
+@pytest.mark.parametrize("pack", [False, True], ids=["one-a-replay", "packed"])
+def test_prefill_graphs_greedy_equals_cpu(tiny_dir, opts, pack, monkeypatch):
     """`cuda_graph_prefill_tokens`: each prompt prefilled alone replays a captured prefill
     (whole or in chunks over its cached prefix): the CPU's greedy tokens in fp32, and the
-    books whole; a batch of prompts at once replays too, packed into one replay (or a few:
-    `PrefillGraphs.groups`), and so do the steps that decode some requests beside another's
+    books whole; a batch of prompts at once prefills eagerly (the default) or, packed
+    (`cuda_graph.PREFILL_GRAPH_PACK`), replays too, in one replay or a few
+    (`PrefillGraphs.groups`), and so do the steps that decode some requests beside another's
     prompt."""
+    from eaglekv import cuda_graph
+    monkeypatch.setattr(cuda_graph, "PREFILL_GRAPH_PACK", pack)
     sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
     cpu = [o.token_ids for o in tiny_engine(tiny_dir).generate(PROMPTS, sp)]
     engine = tiny_engine(tiny_dir, device="cuda", max_running_requests=4,
@@ -113,7 +117,7 @@ def test_prefill_graphs_greedy_equals_cpu(tiny_dir, opts):
     assert g.replays >= len(PROMPTS)
     replays = g.replays
     assert [o.token_ids for o in engine.generate(PROMPTS, sp)] == cpu
-    assert g.replays > replays
+    assert (g.replays > replays) == pack
     engine.check_memory()
     assert engine.allocator.is_full()
 
@@ -122,12 +126,15 @@ def test_prefill_graphs_greedy_equals_cpu(tiny_dir, opts):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("alg", ["eagle", "eagle3", "adaptive"])
 @pytest.mark.parametrize("chunk", [None, 8], ids=["whole", "chunks-of-8"])
-def test_speculative_prefill_graphs_are_lossless(tiny_dir, deep_dir, alg, chunk):
+def test_speculative_prefill_graphs_are_lossless(tiny_dir, deep_dir, alg, chunk, monkeypatch):
     """`cuda_graph_prefill_tokens` on a speculative engine: each prompt prefilled alone
     replays the target's prefill with its hidden states (EAGLE-3: its captured layers), the
     draft extends over them: speculative greedy equals the CPU's plain greedy in fp32, and
-    so it does with the prompts admitted together (their prefills packed into replays); an
-    adaptive engine's workers share one set of prefill graphs."""
+    so it does with the prompts admitted together, their prefills packed into replays
+    (`cuda_graph.PREFILL_GRAPH_PACK` on here); an adaptive engine's workers share one set of
+    prefill graphs."""
+    from eaglekv import cuda_graph
+    monkeypatch.setattr(cuda_graph, "PREFILL_GRAPH_PACK", True)
     d = deep_dir if alg == "eagle3" else tiny_dir
     sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
     cpu = [o.token_ids for o in tiny_engine(d).generate(PROMPTS, sp)]

@@ -225,14 +225,16 @@ def test_adaptive_plain_chains_run_the_policy_horizon(tiny_dir, reference, horiz
 
 
 # ---- one request's prefill replayed (cuda_graph.PrefillGraphs) ---------------------------------
-def prefill_engine(tiny_dir, max_tokens: int = 32, max_reqs: int = 16, **options):
+def prefill_engine(tiny_dir, max_tokens: int = 32, max_reqs: int = 16, max_groups: int = 4,
+                   **options):
     from eaglekv.cuda_graph import PrefillGraphs
     options.setdefault("max_running_requests", 4)
     options.setdefault("max_context_len", 64)
     engine = tiny_engine(tiny_dir, attention_backend="triton", **options)
     engine.runner.prefill_graphs = PrefillGraphs(engine.model, engine.backend, max_tokens,
                                                  engine.max_context_len, progress=False,
-                                                 capture=False, max_reqs=max_reqs)
+                                                 capture=False, max_reqs=max_reqs,
+                                                 max_groups=max_groups)
     return engine
 
 
@@ -296,14 +298,24 @@ def test_prefill_graph_equals_the_eager_prefill(tiny_dir, reference, chunk, page
     assert engine.allocator.is_full()
 
 
-def test_prefill_graph_groups(tiny_dir):
+def test_prefill_graph_groups(tiny_dir, monkeypatch):
     """A step's extends packed into replays: runs of consecutive requests of at most
     max_reqs requests and one token fewer than the largest bucket; none for an empty or
     too long request, or past PREFILL_GRAPH_MAX_GROUPS replays (then the step runs eagerly)."""
+    from eaglekv import cuda_graph
     from eaglekv.cuda_graph import PREFILL_GRAPH_MAX_GROUPS, PrefillGraphs
     engine = tiny_engine(tiny_dir, attention_backend="triton", max_context_len=64)
-    g = PrefillGraphs(engine.model, engine.backend, 16, 64, progress=False, capture=False,
-                      max_reqs=2)
+    make = lambda **kw: PrefillGraphs(engine.model, engine.backend, 16, 64,  # noqa: E731
+                                      progress=False, capture=False, **kw)
+    # packing off by default (until timed on a GPU): one request a replay, one replay a step
+    off = make()
+    assert (off.max_reqs, off.max_groups) == (1, 1)
+    assert off.groups([3]) == [range(0, 1)] and off.groups([3, 4]) is None
+    monkeypatch.setattr(cuda_graph, "PREFILL_GRAPH_PACK", True)
+    on = make()
+    assert (on.max_reqs, on.max_groups) == (16, PREFILL_GRAPH_MAX_GROUPS)
+    assert on.groups([3, 4]) == [range(0, 2)]
+    g = make(max_reqs=2)
     assert g.groups([3, 11, 7]) == [range(0, 2), range(2, 3)]     # 3 + 11 <= 15 < 3 + 11 + 7
     assert g.groups([3, 1, 1]) == [range(0, 2), range(2, 3)]      # two requests a replay
     assert g.groups([15]) == [range(0, 1)] and g.groups([1]) == [range(0, 1)]
@@ -432,7 +444,8 @@ def test_speculative_prefill_graph_is_lossless(deep_dir, together):
     w = engine.runner
     w.target.prefill_graphs = PrefillGraphs(engine.model, engine.backend, 32, 64,
                                             progress=False, capture=False, hidden=True,
-                                            capture_layers=w.drafter.capture_layers)
+                                            capture_layers=w.drafter.capture_layers,
+                                            max_reqs=16, max_groups=4)
     pools = w.drafter.kv_pool.k_buffer + w.drafter.kv_pool.v_buffer
     eager_pools = eager.runner.drafter.kv_pool.k_buffer + eager.runner.drafter.kv_pool.v_buffer
     mine = [engine.add_request(p, sp) for p in prompts]
