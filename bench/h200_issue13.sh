@@ -337,11 +337,17 @@ PY
     tail -30 "$OUT/gpu_tests.log"
     ;;
   memcheck)
+    # one file at a time, each its own log and time limit (MEMCHECK_TIMEOUT, 400 s): a call
+    # cut by its limit still brings back every file finished before (on 2026-12-07 one call
+    # over three files was cut after 51 tests with nothing but the dots to show)
     shift
     args=("$@")
     [ ${#args[@]} -eq 0 ] && args=(tests/engine/test_cuda_graph.py tests/speculative/test_spec_gpu.py)
-    compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -m gpu \
-      -p no:cacheprovider "${args[@]}" > "$OUT/memcheck.log" 2>&1
-    echo "rc=$?"; tail -5 "$OUT/memcheck.log"
+    for f in "${args[@]}"; do
+      log="$OUT/memcheck_$(basename "${f%.py}").log"
+      timeout "${MEMCHECK_TIMEOUT:-400}" compute-sanitizer --tool memcheck --error-exitcode 3 \
+        python3 -m pytest -q -m gpu -p no:cacheprovider "$f" > "$log" 2>&1
+      echo "$f rc=$?"; tail -3 "$log"
+    done
     ;;
 esac
