@@ -527,6 +527,7 @@ def timed_generate(engine: Engine, ps: list[list[int]], n: int,
     policy = getattr(engine.worker, "policy", None)     # adaptive: what each step chose
     trace, made = [], 0
     full = [0, 0.0, 0]      # the full-batch decode steps: count, seconds, tokens made
+    walls_made = []         # every step: [tokens made, ms] (fixed shapes have no step_trace)
     made_all, live = 0, c   # tokens so far; requests decoding when the step began
     traced = 0.0        # the trace's and the counts' own host time: left out of the run's
     while len(reqs) < len(ps) or any(not r.finished for r in reqs):   # time
@@ -535,6 +536,7 @@ def timed_generate(engine: Engine, ps: list[list[int]], n: int,
         walls.append(time.perf_counter() - s)
         s = time.perf_counter()
         now_all = sum(len(r.output_ids) for r in reqs)
+        walls_made.append([now_all - made_all, round(1e3 * walls[-1], 3)])
         if first is not None and live == c:
             full[0] += 1
             full[1] += walls[-1]
@@ -582,7 +584,7 @@ def timed_generate(engine: Engine, ps: list[list[int]], n: int,
               "decode_step_ms_max": 1e3 * decode[-1],
               "other_ms": 1e3 * (dt - sum(walls)),
               "full_batch_steps": full[0], "full_batch_ms": 1e3 * full[1],
-              "full_batch_tokens": full[2]}
+              "full_batch_tokens": full[2], "step_walls": walls_made}
     if policy is not None:   # [the step's choice, tokens made, ms, engine / prior drafts] a step
         phases["step_trace"] = trace
     return len(ps) * n / dt, [o.token_ids for o in outs], phases

@@ -124,8 +124,15 @@ def test_timed_generate_traces_an_adaptive_engine_step_by_step(tiny_dir):
     assert any(c > 0 for t in trace for c in t[5])
     labels = {t[0].rstrip("?") for t in trace[ph["prefill_steps"]:]}
     assert labels <= {"plain", "S3K1N4", "S3K1N4+plain"}, labels
+    assert [w[:2] for w in ph["step_walls"]] == [t[1:3] for t in trace]
+    # every engine, fixed shapes and plain too: each step's tokens and milliseconds
     _, _, plain_ph = timed_generate(tiny_engine(tiny_dir), PROMPTS, n)
     assert "step_trace" not in plain_ph
+    walls = plain_ph["step_walls"]
+    assert len(walls) == plain_ph["prefill_steps"] + plain_ph["decode_steps"]
+    assert sum(w[0] for w in walls) == len(PROMPTS) * n
+    assert sum(w[1] for w in walls) == pytest.approx(
+        plain_ph["prefill_ms"] + plain_ph["decode_ms"], abs=1e-3 * len(walls))
 
 
 def test_step_profile_leaves_the_adaptive_costs_alone(tiny_dir):
