@@ -9,7 +9,7 @@ in the StepResult, which the scheduler commits.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -86,9 +86,15 @@ class ModelRunner:
         return max(lens, default=0) > 1 and self.prefill_graphs.fits(lens)
 
     def replay_prefill(self, plan: StepPlan):
-        """The plan's extends replayed (PrefillGraphs.run): the forward's output."""
-        return self.prefill_graphs.run(plan.ids, plan.prefix_lens, [r.row for r in plan.reqs],
-                                       [s.numpy() for s in plan.slots])
+        """The plan's extends replayed (PrefillGraphs.run): the forward's output, its logits
+        those of the requests that sample (`plan.sampling`, as `run_extend`'s: a request
+        mid-way through a chunked prompt samples nothing, and its row is left out)."""
+        out = self.prefill_graphs.run(plan.ids, plan.prefix_lens, [r.row for r in plan.reqs],
+                                      [s.numpy() for s in plan.slots])
+        done = plan.sampling
+        if len(done) != len(plan.reqs):
+            out = replace(out, logits=out.logits[done])
+        return out
 
     def run_prefill_graph(self, plan: StepPlan) -> StepResult:
         """The plan's extends replayed (PrefillGraphs), then sampling as `run_extend`."""

@@ -364,6 +364,37 @@ def test_prefill_graph_packs_several_requests(tiny_dir, reference, max_tokens, m
     assert engine.allocator.is_full()
 
 
+def test_packed_chunked_prefills_sample_only_finished_prompts(tiny_dir, reference):
+    """Chunked prefill (8 tokens a step) with the prompts' chunks packed into replays: a
+    step where a request mid-way through its prompt comes before one whose prompt completes
+    samples each finished request from its own row (the replay has a row for every request,
+    the sampler only for those that sample: a found bug fed the mid-prompt row to the next
+    request). The same tokens as plain decoding; the speculative prefill uses the same rows
+    (`replay_prefill`)."""
+    engine = prefill_engine(tiny_dir, 32, chunked_prefill_size=8)
+    g = engine.runner.prefill_graphs
+    orders = []
+    real = engine.runner.replay_prefill
+
+    def watch(plan):
+        orders.append([i in plan.sampling for i in range(len(plan.reqs))])
+        return real(plan)
+    engine.runner.replay_prefill = watch
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    fourth = [30, 31, 32, 33]                 # 4 prompts: the 8-token budget shared 2 each
+    reqs = [engine.add_request(p, sp) for p in PROMPTS + [fourth]]
+    while engine.has_unfinished():
+        engine.step()
+    plain = tiny_engine(tiny_dir, max_running_requests=4).generate([fourth], sp)[0].token_ids
+    assert [r.output_ids for r in reqs] == reference + [plain]
+    # the case: a request that samples after one that does not, in one replay
+    assert any(not o[j] and o[i] for o in orders
+               for j in range(len(o)) for i in range(j + 1, len(o))), orders
+    assert g.replays == len(orders)
+    engine.check_memory()
+    assert engine.allocator.is_full()
+
+
 def test_bad_slot_in_a_packed_prefill_is_refused(tiny_dir, reference):
     """A slot past the pool in the second of three prefills packed into one replay:
     KVIndexError at the step's sync naming the slot, the limit and the store; the slot is
