@@ -400,9 +400,11 @@ def prefill_buckets(max_tokens: int) -> tuple[int, ...]:
 # with packing on, the requests one prefill replay packs (a step's prompts after a wave of
 # admissions); a step with more, or more tokens than the largest bucket, runs as up to
 # PREFILL_GRAPH_MAX_GROUPS replays of packed groups, else eagerly (an eager prefill of 8
-# prompts was ~12 ms of ~600 launches on an H100 at batch 8, 2026-12-07). Off (one request a
-# replay, a step of several prefills eager, as before) until timed and tested on a GPU:
-# EAGLEKV_PREFILL_PACK=1 (the bench's `_pack` modes) turns it on
+# prompts was ~12 ms of ~600 launches on an H100 at batch 8, 2026-12-07). On an H100 (random
+# model, refilled batches, 2026-12-08) plain ran 1.03-1.06x and S7 1.02-1.03x with it; its GPU
+# tests found a bug with chunked prefill (the sampled rows, fixed in runner.replay_prefill and
+# tested on the CPU), so it stays off (one request a replay, a step of several prefills eager)
+# until they pass on a GPU again: EAGLEKV_PREFILL_PACK=1 (the bench's `_pack` modes) turns it on
 PREFILL_GRAPH_PACK = os.environ.get("EAGLEKV_PREFILL_PACK", "0") == "1"
 PREFILL_GRAPH_MAX_REQS = 16
 PREFILL_GRAPH_MAX_GROUPS = 4

@@ -365,7 +365,7 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "vdec128": ("eaglekv.attention.triton_backend",
                                "CHAIN_VERIFY_DECODE_MAX_TOKENS", 128),
                    # the prefill graphs packing a step's prefills (cuda_graph.
-                   # PREFILL_GRAPH_PACK, off by default until timed)
+                   # PREFILL_GRAPH_PACK, off by default until its GPU tests pass again)
                    "pack": ("eaglekv.cuda_graph", "PREFILL_GRAPH_PACK", True),
                    "nopack": ("eaglekv.cuda_graph", "PREFILL_GRAPH_PACK", False),
                    # adaptive's cost cells as chains cost (adaptive_worker.CHAINED_COSTS)
