@@ -25,12 +25,44 @@ from eaglekv.model import cpu_blas
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
 
 
+@contextmanager
+def gguf_parsed_once():
+    """transformers' GGUF model loader parses the file twice (for the config, then for the
+    weights: ~7 s each for SmolLM2, whose 49k-token vocabulary is ~300k fields) and builds
+    gguf's tensor-name table once a module (~400 times, ~10 s): 29 s of a 31 s load on a
+    2-core CPU. While this is open, `gguf.GGUFReader` returns one reader per file and
+    `gguf.get_tensor_name_map` one table per (architecture, layers); both are read-only
+    there, and the loader imports them from the gguf module at each call."""
+    import gguf
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+    maps: dict = {}
+
+    def one_reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    def one_map(arch, n_blocks):
+        if (arch, n_blocks) not in maps:
+            maps[arch, n_blocks] = name_map(arch, n_blocks)
+        return maps[arch, n_blocks]
+    gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, one_map
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def load_hf(model: str, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM
     from eaglekv.model.loader import resolve_model_path
     path = resolve_model_path(model)
     if path.suffix == ".gguf":
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        with gguf_parsed_once():
+            hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                      dtype=dtype)
     else:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return hf.to(device).eval()

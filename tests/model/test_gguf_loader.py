@@ -571,3 +571,38 @@ def test_fast_dequantize_is_bit_exact(qt):
     raw = quantize(x, qt)
     t = SimpleNamespace(name="w", tensor_type=qt, shape=(96, 48), data=raw)
     assert np.array_equal(dequantize(t).numpy(), gguf_dequantize(raw, qt).reshape(48, 96))
+
+
+def test_hf_gguf_load_parses_the_file_once(model_file, monkeypatch):
+    """`bench.e2e.gguf_parsed_once` (the HF oracle's GGUF load, 31 -> 13 s for SmolLM2):
+    transformers' loader reads the file once instead of twice and builds gguf's tensor-name
+    table once; the model is the same as without it (config and every weight), and gguf's
+    own functions are back after it, an error inside included."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from eaglekv.bench.e2e import gguf_parsed_once
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    opened, built = [], []
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a: opened.append(a) or reader(*a))
+    monkeypatch.setattr(gguf, "get_tensor_name_map",
+                        lambda *a: built.append(a) or name_map(*a))
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(model_file.parent, gguf_file=model_file.name,
+                                                    dtype=torch.float32)
+    plain = load()
+    assert len(opened) == 2 and len(built) > 1           # what the memo is for
+    opened.clear()
+    built.clear()
+    with gguf_parsed_once():
+        once = load()
+    assert len(opened) == 1 and len(built) == 1
+    assert once.config.to_dict() == plain.config.to_dict()
+    a, b = once.state_dict(), plain.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    patched = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(RuntimeError, match="inside"), gguf_parsed_once():
+        assert gguf.GGUFReader is not patched[0]
+        raise RuntimeError("inside")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == patched
