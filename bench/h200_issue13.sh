@@ -283,7 +283,8 @@ PY
     # this runs) against one request a replay and a step of several prefills eager (the
     # default), with refilled batches as `waves` (each wave's admissions prefill together);
     # plain needs the model only, the EAGLE-3 modes the head too (MODES=... per call)
-    MODES=${MODES:-plain,plain_pack,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_pack,adaptive_eagle3,adaptive_eagle3_pack} \
+    # (since 2026-12-08 packing is the default: the `_nopack` modes are the old way)
+    MODES=${MODES:-plain,plain_nopack,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_nopack,adaptive_eagle3,adaptive_eagle3_nopack} \
       BATCHES=${BATCHES:-4,8,16} WAVES=${WAVES:-4} REPEATS=${REPEATS:-2} FLOOR=0 LLAMA8B=" " \
       BENCH_TIMEOUT=${BENCH_TIMEOUT:-400} "$0" bench
     ;;
@@ -291,7 +292,7 @@ PY
     # the same without staging, on the random SmolLM2-shaped model (12-token prompts, EOS
     # ignored: plain's time does not depend on the weights) and a random EAGLE-3 head; first
     # the CUDA-graph tests (the packed prefills among them)
-    EAGLEKV_PREFILL_PACK=1 timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+    timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider \
       ${TESTS_FILES:-tests/engine/test_cuda_graph.py} > "$OUT/gpu_tests_packs.log" 2>&1
     tail -2 "$OUT/gpu_tests_packs.log"
     python3 -c "import sys; sys.path.insert(0, 'bench'); from profile_step import make_model; make_model('/root/rnd')"
@@ -299,7 +300,7 @@ PY
     timeout "${BENCH_TIMEOUT:-300}" python3 -m eaglekv.cli bench --device cuda --dtype bfloat16 \
       --model /root/rnd --draft random --new-tokens 256 --repeats "${REPEATS:-2}" --no-hf --table \
       --batches "${BATCHES:-4,16,64}" --waves "${WAVES:-4}" --waiting-served-ratio 0 \
-      --modes "${MODES:-plain,plain_pack,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_pack}" \
+      --modes "${MODES:-plain,plain_nopack,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_nopack}" \
       --out "$OUT/packs" 2>&1 | tail -c 20000 > "$OUT/packs/bench.log"
     tail -8 "$OUT/packs/bench.log"
     ;;

@@ -49,8 +49,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-prefill-tokens", type=int, default=None,
                    help="replay one request's prefill (or chunk) of fewer than this many "
                    "tokens as a CUDA graph per token bucket (0: eager; default: 256 under "
-                   "CUDA graphs); EAGLEKV_PREFILL_PACK=1 packs a step's prefills, up to 16 "
-                   "requests a replay (opt-in; 1.03-1.06x plain with refilled batches on an H100)")
+                   "CUDA graphs), a step's prefills packed up to 16 requests a replay "
+                   "(EAGLEKV_PREFILL_PACK=0: one request a replay, several eagerly)")
     p.add_argument("--waiting-served-ratio", type=float, default=d.waiting_served_ratio,
                    help="while requests decode, admit newcomers once they are this fraction "
                    "of the running ones (TGI's flag; 0: at once)")

@@ -278,9 +278,9 @@ class EngineConfig:
     # CUDA graph per token bucket (cuda_graph.PrefillGraphs), plain and speculative engines;
     # 0: eager; None: DEFAULT_PREFILL_GRAPH_TOKENS under CUDA graphs, else 0 (on an H100,
     # 2026-12-06: 1.13x plain and S5 end to end at batch 1, the prefill 13-24 ms -> 1.8 ms;
-    # a step of several prefills runs eagerly, ~12 ms at batch 8, unless
-    # cuda_graph.PREFILL_GRAPH_PACK packs them, up to 16 requests a replay: opt-in, 1.03-1.06x
-    # plain with refilled batches on an H100, 2026-12-08)
+    # a step of several prefills is packed, up to 16 requests a replay, by
+    # cuda_graph.PREFILL_GRAPH_PACK (the default since 2026-12-08: a wave's prefill 13 ->
+    # 2.2 ms at batch 4 on an H100; EAGLEKV_PREFILL_PACK=0: eager, as before)
     cuda_graph_prefill_tokens: int | None = None
     # greedy decode steps replayed back to back per engine step, one sync for all (vLLM's
     # --num-scheduler-steps; a speculative engine chains ceil(this / (S + 1)) whole-step

@@ -11,7 +11,7 @@ O matmul, add+RMSNorm, gate/up matmul, SiLU*mul, down matmul) -> final norm -> L
 tree mask -> logits and hidden states). `PrefillGraphs` captures one request's extend of up
 to a few hundred tokens (a prompt, or a chunk of one) per token bucket, causal over its
 cached prefix -> the logits of its last token (`cuda_graph_prefill_tokens`: 256 by default
-under decode graphs); with PREFILL_GRAPH_PACK (opt-in) the extends of up to 16 requests
+under decode graphs); with PREFILL_GRAPH_PACK (the default) the extends of up to 16 requests
 packed into one replay (prompts, chunks, or a plain step's decode tokens beside a prompt). Both run over static device buffers that each replay fills. Padded
 rows (bucket > batch) point at req_to_token's padding row 0 and write their K/V into slot 0,
 the padding page, so a replay never reads or writes a real request's KV.
@@ -400,12 +400,13 @@ def prefill_buckets(max_tokens: int) -> tuple[int, ...]:
 # with packing on, the requests one prefill replay packs (a step's prompts after a wave of
 # admissions); a step with more, or more tokens than the largest bucket, runs as up to
 # PREFILL_GRAPH_MAX_GROUPS replays of packed groups, else eagerly (an eager prefill of 8
-# prompts was ~12 ms of ~600 launches on an H100 at batch 8, 2026-12-07). On an H100 (random
-# model, refilled batches, 2026-12-08) plain ran 1.03-1.06x and S7 1.02-1.03x with it; its GPU
-# tests found a bug with chunked prefill (the sampled rows, fixed in runner.replay_prefill and
-# tested on the CPU), so it stays off (one request a replay, a step of several prefills eager)
-# until they pass on a GPU again: EAGLEKV_PREFILL_PACK=1 (the bench's `_pack` modes) turns it on
-PREFILL_GRAPH_PACK = os.environ.get("EAGLEKV_PREFILL_PACK", "0") == "1"
+# prompts was ~12 ms of ~600 launches on an H100 at batch 8, 2026-12-07). On by default since
+# 2026-12-08: on an H100 (random model, refilled batches) a wave's prefill step took 2.1-2.4 ms
+# instead of 13 at batch 4 and plain ran 1.03-1.06x, S7 1.02-1.03x; its GPU tests passed but
+# for chunked prefill, a bug of the sampled rows (fixed in runner.replay_prefill, reproduced
+# and tested on the CPU; the GPU re-run is pending). EAGLEKV_PREFILL_PACK=0 (the bench's
+# `_nopack` modes) turns it off: one request a replay, a step of several prefills eager
+PREFILL_GRAPH_PACK = os.environ.get("EAGLEKV_PREFILL_PACK", "1") != "0"
 PREFILL_GRAPH_MAX_REQS = 16
 PREFILL_GRAPH_MAX_GROUPS = 4
 

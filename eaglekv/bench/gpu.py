@@ -300,7 +300,9 @@ MODES.update({"plain_omerge": None, "plain_omerge_sp8": None, "plain_sp8": None,
                                                 "eagle3_chain_S7K1N8", "adaptive_eagle3")
                  for x in ("nodgemv", "nog8_mlp1_mo4", "nog8_mlp1_mo4_nodgemv")},
               "plain_nog8": None, "plain_nog8_mlp1_mo4": None, "plain_pack": None,
-              **{f"{m}_pack": MODES[m] for m in ("eagle3_chain_S7K1N8", "adaptive_eagle3")},
+              "plain_nopack": None,
+              **{f"{m}_{x}": MODES[m] for m in ("eagle3_chain_S7K1N8", "adaptive_eagle3")
+                 for x in ("pack", "nopack")},
               "eagle3_chain_S5K1N6_g8_mlp8_mo8": MODES["eagle3_chain_S5K1N6"],
               "eagle3_chain_S5K1N6_mlp8": MODES["eagle3_chain_S5K1N6"],
               "eagle3_chain_S5K1N6_mlp8_mo8": MODES["eagle3_chain_S5K1N6"], "plain_mlp8": None})
@@ -365,7 +367,7 @@ MODULE_VARIANTS = {"xs1": ("eaglekv.kernels.attention_triton", "EXTEND_SPLITS", 
                    "vdec128": ("eaglekv.attention.triton_backend",
                                "CHAIN_VERIFY_DECODE_MAX_TOKENS", 128),
                    # the prefill graphs packing a step's prefills (cuda_graph.
-                   # PREFILL_GRAPH_PACK, off by default until its GPU tests pass again)
+                   # PREFILL_GRAPH_PACK, on by default since 2026-12-08)
                    "pack": ("eaglekv.cuda_graph", "PREFILL_GRAPH_PACK", True),
                    "nopack": ("eaglekv.cuda_graph", "PREFILL_GRAPH_PACK", False),
                    # adaptive's cost cells as chains cost (adaptive_worker.CHAINED_COSTS)

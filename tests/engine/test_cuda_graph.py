@@ -101,8 +101,8 @@ def test_chain_graph_greedy_equals_cpu(tiny_dir, monkeypatch, batch):
 def test_prefill_graphs_greedy_equals_cpu(tiny_dir, opts, pack, monkeypatch):
     """`cuda_graph_prefill_tokens`: each prompt prefilled alone replays a captured prefill
     (whole or in chunks over its cached prefix): the CPU's greedy tokens in fp32, and the
-    books whole; a batch of prompts at once prefills eagerly (the default) or, packed
-    (`cuda_graph.PREFILL_GRAPH_PACK`), replays too, in one replay or a few
+    books whole; a batch of prompts at once prefills eagerly (packing off) or, packed
+    (`cuda_graph.PREFILL_GRAPH_PACK`, the default), replays too, in one replay or a few
     (`PrefillGraphs.groups`), and so do the steps that decode some requests beside another's
     prompt."""
     from eaglekv import cuda_graph

@@ -307,13 +307,14 @@ def test_prefill_graph_groups(tiny_dir, monkeypatch):
     engine = tiny_engine(tiny_dir, attention_backend="triton", max_context_len=64)
     make = lambda **kw: PrefillGraphs(engine.model, engine.backend, 16, 64,  # noqa: E731
                                       progress=False, capture=False, **kw)
-    # packing off by default (until timed on a GPU): one request a replay, one replay a step
+    # packing on by default (2026-12-08); off: one request a replay, one replay a step
+    on = make()
+    assert (on.max_reqs, on.max_groups) == (16, PREFILL_GRAPH_MAX_GROUPS)
+    monkeypatch.setattr(cuda_graph, "PREFILL_GRAPH_PACK", False)
     off = make()
     assert (off.max_reqs, off.max_groups) == (1, 1)
     assert off.groups([3]) == [range(0, 1)] and off.groups([3, 4]) is None
     monkeypatch.setattr(cuda_graph, "PREFILL_GRAPH_PACK", True)
-    on = make()
-    assert (on.max_reqs, on.max_groups) == (16, PREFILL_GRAPH_MAX_GROUPS)
     assert on.groups([3, 4]) == [range(0, 2)]
     g = make(max_reqs=2)
     assert g.groups([3, 11, 7]) == [range(0, 2), range(2, 3)]     # 3 + 11 <= 15 < 3 + 11 + 7
