@@ -30,7 +30,8 @@
 #   bench/h200_issue13.sh waves   # staged as draftreal: the fixed shapes and the adaptive default
 #                                 # with B in flight, B x 4 in all (no drain to one straggler)
 #   bench/h200_issue13.sh packs   # staged as draftreal: the prefill graphs packing a step's
-#                                 # prefills (`_pack`) against one request a replay, waves
+#                                 # prefills (the default) against one request a replay
+#                                 # (`_nopack`), waves
 #   bench/h200_issue13.sh packsrnd  # no staging: the same on the random model, after the
 #                                 # CUDA-graph tests
 #   bench/h200_issue13.sh gate    # the adaptive default (S7 behind a gate) vs before it: held-out
@@ -278,10 +279,10 @@ PY
       BENCH_TIMEOUT=${BENCH_TIMEOUT:-540} "$0" bench
     ;;
   packs)
-    # 2026-12-07 (twenty-seventh session, not yet run): the prefill graphs packing a step's
-    # prefills (`_pack`: up to 16 requests a replay, up to 4 replays; off by default until
-    # this runs) against one request a replay and a step of several prefills eager (the
-    # default), with refilled batches as `waves` (each wave's admissions prefill together);
+    # 2026-12-07 (twenty-seventh session, not yet run on the real model): the prefill graphs
+    # packing a step's prefills (up to 16 requests a replay, up to 4 replays; the default
+    # since 2026-12-08) against one request a replay and a step of several prefills eager
+    # (`_nopack`), with refilled batches as `waves` (each wave's admissions prefill together);
     # plain needs the model only, the EAGLE-3 modes the head too (MODES=... per call)
     # (since 2026-12-08 packing is the default: the `_nopack` modes are the old way)
     MODES=${MODES:-plain,plain_nopack,eagle3_chain_S7K1N8,eagle3_chain_S7K1N8_nopack,adaptive_eagle3,adaptive_eagle3_nopack} \
